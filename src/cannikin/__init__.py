@@ -1,0 +1,51 @@
+"""Cannikin: optimal data-parallel training on heterogeneous clusters.
+
+Every public name is loaded lazily (PEP 562) so that ``import cannikin`` and the
+numpy-only planning modules work on a machine without torch; the runtime names
+import torch only when first touched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "NodeModel": "cannikin.perf",
+    "CommModel": "cannikin.perf",
+    "ClusterModel": "cannikin.perf",
+    "Plan": "cannikin.optperf",
+    "optimal_split": "cannikin.optperf",
+    "efficiency": "cannikin.goodput",
+    "choose_batch_size": "cannikin.goodput",
+    "BatchChoice": "cannikin.goodput",
+    "HeteroDataParallel": "cannikin.runtime",
+    "HeteroDataLoader": "cannikin.runtime",
+}
+_SUBMODULES = ("perf", "optperf", "goodput", "gns", "scaling", "runtime", "sim")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+if TYPE_CHECKING:
+    from cannikin.goodput import BatchChoice, choose_batch_size, efficiency
+    from cannikin.optperf import Plan, optimal_split
+    from cannikin.perf import ClusterModel, CommModel, NodeModel
+    from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"cannikin.{name}")
+    else:
+        raise AttributeError(f"module 'cannikin' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

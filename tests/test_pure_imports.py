@@ -1,0 +1,31 @@
+"""The planning modules must import where torch is not installed (DESIGN.md §8)."""
+
+import subprocess
+import sys
+
+import pytest
+
+PURE = ["cannikin", "cannikin.perf", "cannikin.optperf", "cannikin.goodput", "cannikin.gns",
+        "cannikin.scaling"]
+
+BLOCK_TORCH = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked for this test")
+        return None
+sys.meta_path.insert(0, _NoTorch())
+import importlib
+importlib.import_module({module!r})
+assert "torch" not in sys.modules
+"""
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_pure_module_imports_without_torch(module: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH.format(module=module)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
