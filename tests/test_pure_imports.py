@@ -1,10 +1,13 @@
 """The planning modules must import where torch is not installed (DESIGN.md §8)."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+SRC = Path(__file__).resolve().parents[1] / "src"
 PURE = ["cannikin", "cannikin.perf", "cannikin.optperf", "cannikin.goodput", "cannikin.gns",
         "cannikin.scaling"]
 
@@ -27,5 +30,6 @@ def test_pure_module_imports_without_torch(module: str) -> None:
     result = subprocess.run(
         [sys.executable, "-c", BLOCK_TORCH.format(module=module)],
         capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
     )
     assert result.returncode == 0, result.stderr
