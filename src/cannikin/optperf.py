@@ -305,12 +305,36 @@ class Splitter:
         _check_total(self._arr, total_batch)
         return _integer_split(self._arr, self._bp, int(total_batch))
 
-    def capacity(self, step_time: float) -> int:
-        """The largest total batch whose optimal split finishes within ``step_time``."""
-        t = np.full(self._arr.lo.shape, float(step_time))
-        supply = _supply(self._arr, t)
-        room = np.floor(supply + 1e-9 * np.maximum(supply, 1.0))
-        return int(np.sum(np.clip(room, self._arr.lo, self._arr.hi)))
+    def step_times(self, first: int, last: int) -> FloatArray:
+        """The optimal integer step time of every total in ``[first, last]``, exactly.
+
+        From the optimal split of ``first`` (all its samples finish by ``T1``), the
+        optimum of ``first + k`` is ``max(T1, c_k)`` with ``c_k`` the k-th smallest
+        finishing time among the samples not yet handed out; those are listed up to the
+        optimum of ``last`` and sorted once: O((last - first + n) log) for the whole range.
+        """
+        _check_total(self._arr, first)
+        _check_total(self._arr, last)
+        if last < first:
+            raise ValueError(f"last={last} must be >= first={first}")
+        start = self.split(first)
+        if last == first:
+            return np.array([start.step_time])
+        top = self.split(last).step_time
+        base = np.array(start.local_batches, dtype=np.int64)
+        room = _supply(self._arr, np.full(base.size, top))
+        fits = np.floor(room + 1e-9 * np.maximum(room, 1.0)) - base
+        counts = np.clip(fits, 0, self._arr.hi - base).astype(np.int64)
+        worker = np.repeat(np.arange(base.size), counts)
+        step = np.arange(worker.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+        finish = np.sort(np.max(
+            self._arr.offsets[worker] + self._arr.slopes[worker] * (base[worker] + step)[:, None],
+            axis=1,
+        ))
+        need = last - first
+        # A sample finishing exactly at ``top`` may be lost to rounding; it finishes at top.
+        finish = np.concatenate([finish[:need], np.full(max(need - finish.size, 0), top)])
+        return np.concatenate([[start.step_time], np.maximum(start.step_time, finish)])
 
 
 def _round_shares(shares: FloatArray, total_batch: int) -> tuple[int, ...]:
