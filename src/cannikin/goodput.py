@@ -161,8 +161,8 @@ def choose_batch_size(
         raise ValueError(f"max_batch={max_batch!r} must be an integer >= init_batch={init_batch}")
     if current is not None and not _is_int(current):
         raise ValueError(f"current={current!r} must be None or an integer total batch")
-    if not (math.isfinite(float(min_gain)) and min_gain >= 0):
-        raise ValueError(f"min_gain={min_gain!r} must be finite and >= 0")
+    if not float(min_gain) >= 0:
+        raise ValueError(f"min_gain={min_gain!r} must be >= 0 (inf: never move from current)")
     splitter = Splitter(cluster)
     curve = splitter.curve
     lo = max(int(init_batch), math.ceil(curve.min_total))
