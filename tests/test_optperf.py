@@ -51,7 +51,7 @@ def brute_force(cluster: ClusterModel, total: int) -> float:
     return min(cluster.step_time(s) for s in itertools.product(*ranges) if sum(s) == total)
 
 
-def lp_bound(cluster: ClusterModel, total: int) -> float:
+def lp_bound(cluster: ClusterModel, total: float) -> float:
     """min t s.t. t >= d_ij + a_ij b_i, sum b = B, lo <= b <= hi (the LP of §2)."""
     arr = cluster.arrays
     n, m = arr.slopes.shape

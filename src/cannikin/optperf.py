@@ -236,7 +236,7 @@ def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
     """
     if remaining <= 0:
         return base
-    first = np.where(base + 1 <= arr.hi, _times(arr, base + 1.0), np.inf)
+    first = np.where(base + 1 <= arr.hi, _times(arr, (base + 1).astype(np.float64)), np.inf)
     order = np.argsort(first, kind="stable")
     if remaining > first.size or not math.isfinite(float(first[order[remaining - 1]])):
         return _hand_out_heap(arr, base, remaining)
@@ -256,7 +256,7 @@ def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
 def _hand_out_heap(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
     """:func:`_hand_out` one sample at a time (for large remainders, after float slack)."""
     result = base.copy()
-    first = np.where(base + 1 <= arr.hi, _times(arr, base + 1.0), np.inf)
+    first = np.where(base + 1 <= arr.hi, _times(arr, (base + 1).astype(np.float64)), np.inf)
     heap = [(float(v), i) for i, v in enumerate(first.tolist()) if math.isfinite(v)]
     heapq.heapify(heap)
     for _ in range(remaining):

@@ -179,7 +179,7 @@ class ClusterModel:
         """The parameters as numpy arrays (computed once), for vectorised planners."""
         return ClusterArrays.of(self)
 
-    def node_times(self, local_batches: Sequence[float] | FloatArray) -> FloatArray:
+    def node_times(self, local_batches: npt.ArrayLike) -> FloatArray:
         """Each worker's share of the step: ``max_j (F_i + rho_j K_i + R_j)``, shape (n,).
 
         The step time is the largest of these; bounds (min/max batch) are not enforced
@@ -196,7 +196,7 @@ class ClusterModel:
         times: FloatArray = np.max(arr.offsets + arr.slopes * b[:, None], axis=1)
         return times
 
-    def step_time(self, local_batches: Sequence[float] | FloatArray) -> float:
+    def step_time(self, local_batches: npt.ArrayLike) -> float:
         """Predicted seconds of one synchronous step with these local batches (DESIGN §1)."""
         return float(np.max(self.node_times(local_batches)))
 
