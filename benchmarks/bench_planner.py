@@ -84,10 +84,11 @@ def bench_cost(rng: np.random.Generator) -> None:
     for n in (16, 1024):
         cluster = random_cluster(rng, n)
         number = max(3, 1000 // n)
-        cost = per_call_ms(
-            lambda c=cluster, k=n: choose_batch_size(c, 2000.0, 8 * k, 128 * k), number)
-        print(f"  choose_batch_size  n={n:5d}: {cost[0]:7.3f} / {cost[1]:7.3f}   "
-              f"(B in [{8 * n}, {128 * n}], noise scale 2000)")
+        for phi in (2000.0, float("inf")):
+            cost = per_call_ms(
+                lambda c=cluster, k=n, p=phi: choose_batch_size(c, p, 8 * k, 128 * k), number)
+            print(f"  choose_batch_size  n={n:5d}: {cost[0]:7.3f} / {cost[1]:7.3f}   "
+                  f"(B in [{8 * n}, {128 * n}], noise scale {phi:g})")
 
 
 def bench_quality(rng: np.random.Generator, count: int) -> None:

@@ -122,6 +122,15 @@ def test_hysteresis() -> None:
     assert outside.total_batch == best.total_batch  # current out of range: move
 
 
+def test_flat_goodput_over_a_huge_range() -> None:
+    """Pure noise, no caps, B up to 1e9: throughput keeps rising; the scan stays bounded."""
+    cluster = ClusterModel(nodes=[NodeModel(fwd=(0.01, 1e-4), bwd=(0.01, 2e-4)),
+                                  NodeModel(fwd=(0.01, 3e-4), bwd=(0.01, 6e-4))])
+    choice = choose_batch_size(cluster, math.inf, 16, 10**9)
+    assert choice.total_batch == 10**9
+    assert choice.plan == optimal_split(cluster, 10**9)
+
+
 def test_range_is_clipped_to_the_caps() -> None:
     cluster = ClusterModel(nodes=[NodeModel(fwd=(0.1, 0.01), bwd=(0.1, 0.02), max_batch=50)] * 2)
     choice = choose_batch_size(cluster, math.inf, 8, 10_000)

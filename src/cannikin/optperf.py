@@ -87,25 +87,27 @@ def checked_arrays(cluster: ClusterModel) -> ClusterArrays:
     return arr
 
 
+def _per_worker(values: FloatArray, like: FloatArray) -> FloatArray:
+    """Reshape per-worker ``values`` (n,) or (n, m) to broadcast against ``like[..., None]``."""
+    extra = (1,) * (like.ndim - 1)
+    shape = (values.shape[0], *extra, values.shape[1]) if values.ndim == 2 else (
+        values.shape[0], *extra)
+    return values.reshape(shape)
+
+
 def _times(arr: ClusterArrays, batches: FloatArray) -> FloatArray:
-    """``tau_i(batches_i)`` for every worker; ``batches`` shape (n,) or (n, k)."""
-    b = batches[..., None] if batches.ndim == 2 else batches[:, None]
-    offsets = arr.offsets[:, None, :] if batches.ndim == 2 else arr.offsets
-    slopes = arr.slopes[:, None, :] if batches.ndim == 2 else arr.slopes
-    result: FloatArray = np.max(offsets + slopes * b, axis=-1)
+    """``tau_i(batches_i)``: worker i's finishing time; ``batches`` has shape (n,) or (n, k)."""
+    offsets, slopes = _per_worker(arr.offsets, batches), _per_worker(arr.slopes, batches)
+    result: FloatArray = np.max(offsets + slopes * batches[..., None], axis=-1)
     return result
 
 
 def _supply(arr: ClusterArrays, t: FloatArray) -> FloatArray:
-    """``clip(beta_i(t_i), lo_i, hi_i)``: what each worker can take by time t (shape like t)."""
-    tt = t[..., None]
-    offsets = arr.offsets[:, None, :] if t.ndim == 2 else arr.offsets
-    slopes = arr.slopes[:, None, :] if t.ndim == 2 else arr.slopes
+    """``clip(beta_i(t_i), lo_i, hi_i)``: what worker i can take by time t; t is (n,) or (n, k)."""
+    offsets, slopes = _per_worker(arr.offsets, t), _per_worker(arr.slopes, t)
     with np.errstate(invalid="ignore"):
-        beta = np.min((tt - offsets) / slopes, axis=-1)
-    lo = arr.lo[:, None] if t.ndim == 2 else arr.lo
-    hi = arr.hi[:, None] if t.ndim == 2 else arr.hi
-    result: FloatArray = np.clip(beta, lo, hi)
+        beta = np.min((t[..., None] - offsets) / slopes, axis=-1)
+    result: FloatArray = np.clip(beta, _per_worker(arr.lo, t), _per_worker(arr.hi, t))
     return result
 
 
@@ -120,6 +122,13 @@ class _Breakpoints:
 
 
 def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
+    """Sort every worker's kinks of ``clip(beta_i)`` and sweep ``S(t)`` across them.
+
+    Worker i's kinks are at ``tau_i(lo_i)``, ``tau_i(hi_i)`` and ``tau_i`` of each pairwise
+    crossing of its lines inside ``(lo_i, hi_i)`` (a crossing hidden under the envelope is a
+    harmless extra point). Between its own kinks its supply is linear, so its slope changes
+    only there; the sweep adds up those changes in time order and integrates.
+    """
     n, m = arr.slopes.shape
     lo_t = _times(arr, arr.lo)
     capped = np.isfinite(arr.hi)
@@ -190,11 +199,9 @@ def _check_total(arr: ClusterArrays, total_batch: int) -> None:
             f"valid: {lo:g} <= total_batch <= {hi:g}"
         )
     if total_batch > hi:
-        worst = int(np.argmin(arr.hi))
         raise ValueError(
-            f"total_batch={total_batch} exceeds the sum of the workers' max_batch ({hi:g}; "
-            f"smallest cap {arr.hi[worst]:g} on node {worst}); valid: {lo:g} <= total_batch "
-            f"<= {hi:g}"
+            f"total_batch={total_batch} exceeds the sum of the workers' max_batch ({hi:g}); "
+            f"valid: {lo:g} <= total_batch <= {hi:g}"
         )
 
 
