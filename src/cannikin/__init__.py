@@ -22,6 +22,10 @@ _EXPORTS: dict[str, str] = {
     "efficiency": "cannikin.goodput",
     "choose_batch_size": "cannikin.goodput",
     "BatchChoice": "cannikin.goodput",
+    "NoiseScaleTracker": "cannikin.gns",
+    "LRScaler": "cannikin.scaling",
+    "adascale_gain": "cannikin.scaling",
+    "Preconditioner": "cannikin.runtime.precondition",
     "HeteroDataParallel": "cannikin.runtime",
     "HeteroDataLoader": "cannikin.runtime",
 }
@@ -30,10 +34,13 @@ _SUBMODULES = ("perf", "optperf", "goodput", "gns", "scaling", "runtime", "sim")
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 if TYPE_CHECKING:
+    from cannikin.gns import NoiseScaleTracker
     from cannikin.goodput import BatchChoice, choose_batch_size, efficiency
     from cannikin.optperf import Plan, optimal_split
     from cannikin.perf import ClusterModel, CommModel, NodeModel
     from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+    from cannikin.runtime.precondition import Preconditioner
+    from cannikin.scaling import LRScaler, adascale_gain
 
 
 def __getattr__(name: str) -> Any:
