@@ -382,3 +382,5 @@ def test_tracker_state_round_trips_through_json() -> None:
         restored.load_state_dict({**state, "version": 99})
     with pytest.raises(ValueError, match="inconsistent"):
         restored.load_state_dict({**state, "num_updates": 0})
+    restored.reset()
+    assert restored.noise_scale() is None and restored.num_updates == 0

@@ -39,7 +39,7 @@ def test_identity_for_sgd() -> None:
     run_steps(opt, param, grads_sequence(8))
     pre = Preconditioner(opt)
     grad = torch.ones(5, dtype=torch.float64)
-    assert not pre.adaptive and pre(param, grad) is grad
+    assert not pre.adaptive and not pre.active and pre(param, grad) is grad
 
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.Adam, torch.optim.AdamW])
@@ -50,10 +50,11 @@ def test_adam_second_moment(opt_cls, amsgrad: bool) -> None:
     pre = Preconditioner(opt, warmup_steps=3)
     grads = grads_sequence(6)
     grad = torch.full((5,), 0.7, dtype=torch.float64)
-    assert pre(param, grad) is grad  # no state yet
+    assert pre(param, grad) is grad and not pre.active  # no state yet
     run_steps(opt, param, grads[:2])
-    assert pre(param, grad) is grad  # still warming up
+    assert pre(param, grad) is grad and not pre.active  # still warming up
     run_steps(opt, param, grads[2:])
+    assert pre.active
     expected = grad / reference_denominator(grads, 0.95, 1e-3, amsgrad)
     assert torch.allclose(pre(param, grad), expected, rtol=1e-12)
     assert pre.sqnorm([param], [grad]).item() == pytest.approx(float(expected.pow(2).sum()))

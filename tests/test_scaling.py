@@ -53,6 +53,7 @@ def test_rules_by_name() -> None:
     assert scaling.lr_factor("sqrt", 128, 32) == 2.0
     assert scaling.lr_factor("none", 128, 32, 1.0, 1.0) == 1.0
     assert scaling.lr_factor("adascale", 128, 32, 1.0, 32.0) == pytest.approx(2 / 1.25)
+    assert scaling.lr_factor("adamscale", 128, 32, 1.0, 32.0) == pytest.approx(math.sqrt(1.6))
     with pytest.raises(ValueError, match="valid rules are"):
         scaling.lr_factor("cubic", 128, 32)
     with pytest.raises(ValueError, match="valid rules are"):

@@ -40,10 +40,14 @@ Monte Carlo.
 Heavy tails
 -----------
 With heavy-tailed per-sample gradients and tiny ``b_i`` (say 1-4), ``g_i`` is far from
-Gaussian: ``Var|g_i|^2`` gains a fourth-cumulant term that grows like ``1 / b_i^3``.  The
+Gaussian: ``Var|g_i|^2`` gains terms from the third and fourth cumulants of the per-sample
+gradients, of order ``1 / b_i^2`` and ``1 / b_i^3``, largest for the smallest batches.  The
 estimates stay unbiased, but the weights above (which lean on the small-batch workers) are
 then no longer optimal and the per-step estimate is noisier than the Gaussian model says.
-The smoothing in :class:`NoiseScaleTracker` absorbs this; do not read single-step values.
+In the tests, multivariate-t gradients (10 degrees of freedom) with ``b = 1, 2, 8, 20``
+give 3.2x the Gaussian-model variance, and the weights above end up ~7% worse than equal
+weights (still 4x better than ``b_i``-proportional ones).  The smoothing in
+:class:`NoiseScaleTracker` absorbs the extra noise; do not read single-step values.
 
 Workers vs micro-batches
 ------------------------
@@ -239,6 +243,11 @@ class NoiseScaleTracker:
         self._sqr_biased = 0.0
         self._var_biased = 0.0
         self._unbias = 0.0
+        self.num_updates = 0
+
+    def reset(self) -> None:
+        """Forget all updates, e.g. when the gradient space changes (see Preconditioner)."""
+        self._sqr_biased = self._var_biased = self._unbias = 0.0
         self.num_updates = 0
 
     def update(

@@ -6,6 +6,8 @@ Rules (``s = B / B0``):
   PER-SAMPLE ``tr(Sigma)`` (as :mod:`cannikin.gns` reports it).  AdaptDL writes the same
   gain as ``(var + sqr) / (var/s + sqr)`` with ``var = S/B0``; feeding a per-sample ``S``
   into that formula would scale the LR wrongly by a factor depending on ``B0``.
+- ``"adamscale"``: ``sqrt(r)``, AdaptDL's variant of AdaScale for Adam, AdamW and RMSProp,
+  whose update size does not grow with the gradient the way SGD's does.
 - ``"linear"``: ``s``;  ``"sqrt"``: ``sqrt(s)``;  ``"none"``: 1.
 
 :class:`LRScaler` applies the factor to an optimizer for the duration of one step and puts
@@ -23,8 +25,8 @@ __all__ = ["RULES", "LRScaler", "Rule", "adascale_gain", "lr_factor"]
 
 logger = logging.getLogger(__name__)
 
-Rule = Literal["adascale", "linear", "sqrt", "none"]
-RULES: tuple[str, ...] = ("adascale", "linear", "sqrt", "none")
+Rule = Literal["adascale", "adamscale", "linear", "sqrt", "none"]
+RULES: tuple[str, ...] = ("adascale", "adamscale", "linear", "sqrt", "none")
 
 _STATE_VERSION = 1
 
@@ -77,6 +79,8 @@ def lr_factor(
     scale = total_batch / init_batch
     if rule == "adascale":
         return adascale_gain(total_batch, init_batch, grad_sqr, grad_var)
+    if rule == "adamscale":
+        return math.sqrt(adascale_gain(total_batch, init_batch, grad_sqr, grad_var))
     if rule == "linear":
         return scale
     if rule == "sqrt":

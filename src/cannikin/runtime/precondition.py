@@ -34,6 +34,9 @@ class Preconditioner:
     is close to a sign vector, which would make the noise scale meaningless (AdaptDL waits
     5 steps for the same reason).  Until then, and for parameters without state, it is the
     identity.  The returned tensor may be ``grad`` itself: do not modify it in place.
+
+    The measured space changes when the preconditioning starts (:attr:`active` turns True):
+    reset the noise-scale tracker then, or the raw-gradient steps linger in its average.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_steps: int = 5) -> None:
@@ -48,6 +51,16 @@ class Preconditioner:
                 "%s is not Adam/AdamW: noise scale measured on raw gradients",
                 type(optimizer).__name__,
             )
+
+    @property
+    def active(self) -> bool:
+        """Whether gradients are being preconditioned (Adam/AdamW past the warm-up)."""
+        if not self.adaptive:
+            return False
+        return any(
+            "step" in state and float(state["step"]) >= self.warmup_steps
+            for state in self.optimizer.state.values()
+        )
 
     def _group_of(self, param: torch.Tensor) -> dict[str, Any] | None:
         group = self._groups.get(param)
