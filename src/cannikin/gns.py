@@ -27,8 +27,13 @@ per-sample gradients, the central-limit approximation otherwise).  For jointly G
     Cov(S_i, S_j)   = (delta_ij e(b_i) - e(B)) / (a_i a_j)
     Cov(G2_i, G2_j) = e(B) + Cov(S_i, S_j) / B^2        (because Cov(|g|^2, S_i) = 0)
 
-(:func:`estimator_covariance`).  Solving ``w = A^-1 1 / (1' A^-1 1)`` with Sherman-Morrison
-gives, for BOTH estimators and for EVERY ``G`` and ``Sigma``::
+(:func:`estimator_covariance`).  For ``S``, ``A = D - e(B) u u'`` with
+``D = diag(e(b_i) / a_i^2)`` and ``u_i = 1 / a_i``; Sherman-Morrison gives
+``A^-1 1 = D^-1 (1 + kappa u)`` with ``kappa = e(B) u'D^-1 1 / (1 - e(B) u'D^-1 u)``, which
+(using ``sum_i b_i = B``) is ``kappa = 1/B + 2 G'Sigma G / tr(Sigma^2)``, so
+``(A^-1 1)_i = a_i (a_i + kappa) / e(b_i) = (B - b_i) / (2 B tr(Sigma^2))``.  For ``G2``
+the extra ``e(B) 1 1'`` does not move the optimum of weights summing to 1.  Hence, for BOTH
+estimators and for EVERY ``G`` and ``Sigma``::
 
     w_i = (B - b_i) / ((n - 1) B)
 
