@@ -25,6 +25,10 @@ _EXPORTS: dict[str, str] = {
     "efficiency": "cannikin.goodput",
     "choose_batch_size": "cannikin.goodput",
     "BatchChoice": "cannikin.goodput",
+    "NoiseScaleTracker": "cannikin.gns",
+    "LRScaler": "cannikin.scaling",
+    "adascale_gain": "cannikin.scaling",
+    "Preconditioner": "cannikin.runtime.precondition",
     "HeteroDataParallel": "cannikin.runtime",
     "HeteroDataLoader": "cannikin.runtime",
 }
@@ -33,6 +37,7 @@ _SUBMODULES = ("perf", "optperf", "goodput", "gns", "scaling", "runtime", "sim")
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 if TYPE_CHECKING:  # names for type checkers; at run time __getattr__ loads them lazily
+    from cannikin.gns import NoiseScaleTracker  # noqa: F401
     from cannikin.goodput import BatchChoice, choose_batch_size, efficiency  # noqa: F401
     from cannikin.optperf import Plan, optimal_split  # noqa: F401
     from cannikin.perf import (  # noqa: F401
@@ -44,6 +49,8 @@ if TYPE_CHECKING:  # names for type checkers; at run time __getattr__ loads them
         PredictionTracker,
     )
     from cannikin.runtime import HeteroDataLoader, HeteroDataParallel  # noqa: F401
+    from cannikin.runtime.precondition import Preconditioner  # noqa: F401
+    from cannikin.scaling import LRScaler, adascale_gain  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:
