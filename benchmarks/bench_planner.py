@@ -81,6 +81,13 @@ def bench_cost(rng: np.random.Generator) -> None:
             number)
         print(f"  optimal_split      n={n:5d}: {cached[0]:7.3f} / {cached[1]:7.3f}   "
               f"(fresh ClusterModel: {fresh[0]:7.3f} / {fresh[1]:7.3f})")
+    many = random_cluster(rng, 1024)
+    rho = [*np.sort(rng.uniform(0.05, 1, 29)).tolist(), 1.0]
+    many = ClusterModel(nodes=many.nodes, comm=CommModel(
+        buckets=[(r, float(rng.uniform(5e-4, 5e-3))) for r in rho]))
+    cost = per_call_ms(lambda: optimal_split(many, 32 * 1024), 5)
+    print(f"  optimal_split      n= 1024, 30 buckets ({len(many.comm.binding())} can bind): "
+          f"{cost[0]:7.3f} / {cost[1]:7.3f}")
     for n in (16, 1024):
         cluster = random_cluster(rng, n)
         number = max(3, 1000 // n)

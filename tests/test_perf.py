@@ -68,6 +68,19 @@ def test_comm_model_remaining() -> None:
     assert comm.total == 7.0
 
 
+def test_binding_buckets_give_the_same_envelope() -> None:
+    rng = np.random.default_rng(5)
+    ks = np.concatenate([[0.0], np.geomspace(1e-4, 1e4, 400)])
+    for _ in range(200):
+        m = int(rng.integers(1, 40))
+        rho = [*np.sort(rng.uniform(0, 1, m - 1)).round(int(rng.integers(1, 4))).tolist(), 1.0]
+        comm = CommModel(buckets=[(r, float(rng.exponential(1.0))) for r in rho])
+        keep = comm.binding()
+        assert np.all(np.diff(keep) > 0) and comm.ready_fractions[keep[-1]] == 1.0
+        lines = comm.remaining[:, None] + comm.ready_fractions[:, None] * ks[None, :]
+        assert np.allclose(lines.max(axis=0), lines[keep].max(axis=0), rtol=1e-12, atol=0)
+
+
 def test_cluster_rejects_empty_and_bad_splits() -> None:
     with pytest.raises(ValueError, match="at least one node"):
         ClusterModel(nodes=[])

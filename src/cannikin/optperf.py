@@ -124,10 +124,10 @@ class _Breakpoints:
 def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
     """Sort every worker's kinks of ``clip(beta_i)`` and sweep ``S(t)`` across them.
 
-    Worker i's kinks are at ``tau_i(lo_i)``, ``tau_i(hi_i)`` and ``tau_i`` of each pairwise
-    crossing of its lines inside ``(lo_i, hi_i)`` (a crossing hidden under the envelope is a
-    harmless extra point). Between its own kinks its supply is linear, so its slope changes
-    only there; the sweep adds up those changes in time order and integrates.
+    Worker i's kinks are at ``tau_i(lo_i)``, ``tau_i(hi_i)`` and ``tau_i`` where two
+    consecutive binding buckets' lines cross inside ``(lo_i, hi_i)``. Between its own
+    kinks its supply is linear, so its slope changes only there; the sweep adds up those
+    changes in time order and integrates. O(n m' log(n m')) for m' binding buckets.
     """
     n, m = arr.slopes.shape
     lo_t = _times(arr, arr.lo)
@@ -135,7 +135,8 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
     hi_t = np.where(capped, _times(arr, np.where(capped, arr.hi, arr.lo)), np.inf)
     columns = [lo_t[:, None], hi_t[:, None]]
     if m > 1:
-        j, k = np.triu_indices(m, k=1)
+        j = np.arange(m - 1)
+        k = j + 1
         da = arr.slopes[:, j] - arr.slopes[:, k]
         with np.errstate(divide="ignore", invalid="ignore"):
             cross = (arr.offsets[:, k] - arr.offsets[:, j]) / da
@@ -184,7 +185,7 @@ def _curve(arr: ClusterArrays, bp: _Breakpoints) -> StepTimeCurve:
 
 
 def step_time_curve(cluster: ClusterModel) -> StepTimeCurve:
-    """``T*(B)``, the continuous optimum, for every feasible B at once (O(n m^2 log n))."""
+    """``T*(B)``, the continuous optimum, for every feasible B at once (O(n m log(n m)))."""
     arr = checked_arrays(cluster)
     return _curve(arr, _breakpoints(arr))
 

@@ -152,6 +152,32 @@ class CommModel:
         """Seconds of all-reduce per step if none of it overlapped the backward."""
         return float(sum(c for _, c in self.buckets))
 
+    def binding(self) -> npt.NDArray[np.intp]:
+        """Indices of the buckets that can set the step time, in ready order.
+
+        A worker's share of the step is ``F + g(K)`` with ``g(K) = max_j (R_j + rho_j*K)``
+        and ``K >= 0`` its backward time, the same ``g`` for every worker. Only buckets on
+        the upper envelope of these lines over ``K >= 0`` ever bind; for real layouts
+        that is a handful of the m buckets, and the planners work on those alone.
+        """
+        rho, remaining = self.ready_fractions, self.remaining
+        hull: list[int] = []
+        for j in np.lexsort((remaining, rho)).tolist():  # by slope, then intercept
+            while hull and rho[hull[-1]] == rho[j]:
+                hull.pop()  # same slope, lower intercept
+            while len(hull) >= 2 and _crossing(rho, remaining, hull[-2], j) <= _crossing(
+                    rho, remaining, hull[-2], hull[-1]):
+                hull.pop()
+            hull.append(j)
+        while len(hull) >= 2 and _crossing(rho, remaining, hull[0], hull[1]) <= 0:
+            hull.pop(0)  # only the larger line binds for every K >= 0
+        return np.array(hull, dtype=np.intp)
+
+
+def _crossing(rho: FloatArray, remaining: FloatArray, a: int, b: int) -> float:
+    """K where lines a and b (rho[b] > rho[a]) of ``R + rho*K`` meet."""
+    return float((remaining[a] - remaining[b]) / (rho[b] - rho[a]))
+
 
 @dataclass(frozen=True)
 class ClusterModel:
@@ -205,8 +231,10 @@ class ClusterModel:
 class ClusterArrays:
     """A cluster as arrays: worker i's time at batch b is ``max_j(offsets[i,j] + slopes[i,j]*b)``.
 
-    ``offsets = R_j + f0 + rho_j*k0`` and ``slopes = f1 + rho_j*k1`` (shape (n, m));
-    ``lo``/``hi`` are the batch bounds (``hi`` is ``inf`` where uncapped).
+    ``offsets = R_j + f0 + rho_j*k0`` and ``slopes = f1 + rho_j*k1`` (shape (n, m')),
+    over the buckets that can bind (:meth:`CommModel.binding`), in ready order, so that
+    consecutive columns are the envelope's consecutive pieces; ``lo``/``hi`` are the
+    batch bounds (``hi`` is ``inf`` where uncapped).
     """
 
     offsets: FloatArray
@@ -218,8 +246,9 @@ class ClusterArrays:
     def of(cluster: ClusterModel) -> ClusterArrays:
         params = np.array([(*n.fwd, *n.bwd) for n in cluster.nodes], dtype=np.float64)
         f0, f1, k0, k1 = params.T
-        rho = cluster.comm.ready_fractions
-        remaining = cluster.comm.remaining
+        binding = cluster.comm.binding()
+        rho = cluster.comm.ready_fractions[binding]
+        remaining = cluster.comm.remaining[binding]
         offsets = remaining[None, :] + f0[:, None] + rho[None, :] * k0[:, None]
         slopes = f1[:, None] + rho[None, :] * k1[:, None]
         lo = np.array([n.min_batch for n in cluster.nodes], dtype=np.float64)
