@@ -200,8 +200,8 @@ def test_stragglers_do_not_wreck_the_fit(seed: int) -> None:
 def test_drift_is_followed_within_bounded_samples() -> None:
     """A 2x slowdown mid-run: count new samples until the fit is within 10% everywhere.
 
-    Measured over 20 seeds (10% noise, window 64): 3-11 samples, median 5.5. Without
-    change detection the window alone needs ~52 (most of the window).
+    Measured over these 20 seeds (10% noise, window 64): 3-11 samples, median 6. Without
+    the change detection the rolling window alone needs 46-60 (median 52.5).
     """
     counts = []
     for seed in range(20):

@@ -298,8 +298,9 @@ class NodeFitter:
     rejected as outliers). When a worker's speed changes, a change-point test on
     measured/predicted time finds the shift and the older samples are dropped: a 2x
     slowdown with 10% timing noise is followed to within 10% after 3-11 new samples
-    (median 5.5 over 20 seeds, window 64; ``tests/test_perf.py`` checks <= 16); shifts
-    under ``DRIFT_MIN_CHANGE`` are absorbed as the window rolls over.
+    (median 6 over 20 seeds, window 64; the window alone would need 46-60;
+    ``tests/test_perf.py`` checks <= 16). Shifts under ``DRIFT_MIN_CHANGE`` are absorbed
+    as the window rolls over.
     Before two distinct batch sizes are in the window the model is proportional to the
     measurements (``F(b) = F(b*) * b / b*``) or, once a two-size fit exists, that fit's
     shape rescaled to pass through the current measurements.
