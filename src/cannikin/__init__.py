@@ -24,6 +24,12 @@ _EXPORTS: dict[str, str] = {
     "BatchChoice": "cannikin.goodput",
     "HeteroDataParallel": "cannikin.runtime",
     "HeteroDataLoader": "cannikin.runtime",
+    "DistContext": "cannikin.runtime.distributed",
+    "init_distributed": "cannikin.runtime.distributed",
+    "UnevenSampler": "cannikin.runtime.sampler",
+    "install_slowdown": "cannikin.runtime.emulate",
+    "CheckpointManager": "cannikin.runtime.checkpoint",
+    "CheckpointError": "cannikin.runtime.checkpoint",
 }
 _SUBMODULES = ("perf", "optperf", "goodput", "gns", "scaling", "runtime", "sim")
 
