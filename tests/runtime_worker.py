@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 from cannikin.runtime.comm import CommState, weighted_allreduce_hook
 from cannikin.runtime.timing import CpuClock
 
@@ -152,6 +154,136 @@ def check_syncbn() -> dict[str, float]:
         scale = max(float(q.abs().max()) for _, q in pairs)
         grad_err = max(grad_err, max(float((p - q).abs().max()) for p, q in pairs) / scale)
     return {"out_err": out_err, "stat_err": stat_err, "grad_rel_err": grad_err}
+
+
+def _blobs(n: int, features: int = 16, classes: int = 4) -> torch.utils.data.TensorDataset:
+    """A learnable classification set; the third tensor is each sample's index."""
+    gen = torch.Generator().manual_seed(7)
+    centers = torch.randn(classes, features, generator=gen) * 2.0
+    y = torch.randint(0, classes, (n,), generator=gen)
+    x = centers[y] + torch.randn(n, features, generator=gen)
+    return torch.utils.data.TensorDataset(x, y, torch.arange(n))
+
+
+def _classifier(features: int = 16, classes: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(features, 64), nn.ReLU(), nn.Linear(64, classes))
+
+
+class Recorder:
+    """A metrics sink that keeps every record."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.rows.append({**metrics, "logged_step": step})
+
+
+def _all_indices(seen: list[int]) -> list[int]:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    return sorted(i for part in everyone for i in part)
+
+
+def check_hdp_gradient() -> dict[str, float]:
+    """Through the whole API (loader split, weight, hook): grad == single process."""
+    data = _blobs(200)
+    net = _classifier()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    loader = HeteroDataLoader(data, batch_size=64, seed=3)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
+                               max_local_batch=[10, None, None])  # split 10, 27, 27
+    worst = 0.0
+    for step, (x, y, idx) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        union = torch.tensor(_all_indices(idx.tolist()))
+        ref.zero_grad()
+        F.cross_entropy(ref(data.tensors[0][union]), data.tensors[1][union]).backward()
+        scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+        worst = max(worst, max(float((p.grad - q.grad).abs().max())
+                               for p, q in zip(net.parameters(), ref.parameters(),
+                                               strict=True)) / scale)
+        opt.step()
+        if step == 3:  # 64+64+64+8: the last, partial batch is split too
+            break
+    return {"rel_err": worst, "split": list(model.plan.local_batches)}
+
+
+def check_train_hetero() -> dict[str, Any]:
+    """Emulated speeds 1, 2, 4 (slowdowns 4, 2, 1): even phase, then the adapted phase."""
+    os.environ["CANNIKIN_SLOWDOWN"] = "4,2,1"
+    data = _blobs(6000)
+    out: dict[str, Any] = {}
+    for phase, steps in (("even", 16), ("optimal", 40)):
+        net = _classifier()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        loader = HeteroDataLoader(data, batch_size=96, seed=1)
+        sink = Recorder()
+        model = HeteroDataParallel(net, opt, loader, split=phase, replan_every=5,
+                                   metrics=sink, slowdown_profile=(0.004, 0.0004))
+        losses, seen = [], []
+        for step, (x, y, idx) in enumerate(loader):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+            seen += idx.tolist()
+            if step + 1 == steps:
+                break
+        everyone = _all_indices(seen)
+        tracker = model.prediction_tracker
+        times = [r["step_time_s"] for r in sink.rows]
+        out[phase] = {
+            "step_times": times, "losses": losses,
+            "local_batches": list(model.plan.local_batches),
+            "window_error": tracker.median_window_error(),
+            "step_error": tracker.median_step_error(),
+            "windows": tracker.window_errors(),
+            "distinct_samples": len(set(everyone)), "samples": len(everyone),
+            "rows": sink.rows[-3:],
+        }
+        model.remove_hooks()
+    del os.environ["CANNIKIN_SLOWDOWN"]
+    return out
+
+
+class OomOnRank1(nn.Module):
+    """Raises CUDA's out-of-memory error on rank 1 for local batches above 15."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _classifier()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1 and len(x) > 15:
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
+        return self.net(x)
+
+
+def check_oom_retry() -> dict[str, Any]:
+    """A simulated OOM lowers that worker's cap, re-plans everywhere, retries the samples."""
+    data = _blobs(300)
+    net = OomOnRank1()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(data, batch_size=60, seed=2)
+    sink = Recorder()
+    model = HeteroDataParallel(net, opt, loader, split="optimal", metrics=sink)
+    seen: list[int] = []
+    updates = 0
+    for x, y, idx in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if model.last_metrics.get("skipped") is None:
+            updates += 1
+            seen += idx.tolist()
+    everyone = _all_indices(seen)
+    return {"updates": updates, "distinct": len(set(everyone)), "samples": len(everyone),
+            "cap": model.planner.config.caps[1], "split": list(model.plan.local_batches)}
 
 
 CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
