@@ -1,6 +1,6 @@
-"""torchrun worker for the runtime's multi-process tests: one launch runs many checks.
+"""torchrun worker for tests/test_runtime_dist.py: one launch runs many checks.
 
-Usage: ``torchrun --standalone --nproc-per-node=3 runtime_worker.py OUT_JSON check ...``.
+Usage: ``torchrun --standalone --nproc-per-node=3 runtime_checks.py OUT_JSON check ...``.
 Every rank runs every named check in order; rank 0 writes ``{check: figures}`` to
 OUT_JSON. Checks return numbers and the pytest side asserts on them, so a failure
 message shows the measured figure.
@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from cannikin.log import setup_logging
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 from cannikin.runtime.comm import CommState, weighted_allreduce_hook
+from cannikin.runtime.distributed import init_distributed
 from cannikin.runtime.timing import CpuClock
 
 SPLITS = [(3, 11, 50), (50, 3, 11), (0, 30, 34)]  # uneven, permuted, and one empty worker
@@ -295,7 +297,8 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
 def main() -> None:
     out_path, names = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    ctx = init_distributed(timeout_s=60.0)  # a dead or hung peer fails the launch in 60 s
+    setup_logging(ctx.rank)
     results = {}
     for name in names:
         results[name] = CHECKS[name]()
