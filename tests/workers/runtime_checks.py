@@ -297,7 +297,8 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
 def main() -> None:
     out_path, names = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
-    ctx = init_distributed(timeout_s=60.0)  # a dead or hung peer fails the launch in 60 s
+    # gloo even where CUDA exists: the SyncBN check puts every rank on cuda:0
+    ctx = init_distributed("gloo", timeout_s=60.0)  # a dead or hung peer fails in 60 s
     setup_logging(ctx.rank)
     results = {}
     for name in names:
