@@ -22,7 +22,10 @@ _EXPORTS: dict[str, str] = {
     "Preconditioner": "cannikin.runtime.precondition",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DistContext", "HeteroDataLoader", "HeteroDataParallel", "Planner", "PlannerConfig",
+    "Preconditioner", "StepReport", "UnevenSampler", "init_distributed",
+]
 
 if TYPE_CHECKING:  # names for type checkers; at run time __getattr__ loads them lazily
     from cannikin.runtime.distributed import DistContext, init_distributed  # noqa: F401

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # what DDP's hook annotation must name
 
 # (param, grad) -> gradient in the space the noise scale is measured in
 GradTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,7 +62,7 @@ class CommState:
         """|g_i|^2 of this step's local gradient (0.0 if no bucket was seen)."""
         return 0.0 if self.sqnorm is None else float(self.sqnorm.item())
 
-    def _add_sqnorm(self, bucket: dist.GradBucket) -> None:
+    def _add_sqnorm(self, bucket: GradBucket) -> None:
         total = self.sqnorm
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
             g = grad if self.transform is None else self.transform(param, grad)
@@ -71,7 +72,7 @@ class CommState:
 
 
 def weighted_allreduce_hook(
-    state: CommState, bucket: dist.GradBucket
+    state: CommState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Scale the bucket by b_i / B and all-reduce it with a sum.
 
@@ -94,4 +95,5 @@ def weighted_allreduce_hook(
         state.done[slot] = state.clock.mark()
         return fut.value()[0]
 
-    return future.then(finish)
+    result: torch.futures.Future[torch.Tensor] = future.then(finish)
+    return result

@@ -38,7 +38,7 @@ from cannikin.runtime.comm import CommState, weighted_allreduce_hook
 from cannikin.runtime.loader import HeteroDataLoader
 from cannikin.runtime.planner import Planner, PlannerConfig, PlanRecord, StepReport
 from cannikin.runtime.precondition import Preconditioner
-from cannikin.runtime.timing import clock_for
+from cannikin.runtime.timing import Clock, clock_for
 from cannikin.scaling import LRScaler
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class HeteroDataParallel(nn.Module):
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device])
         self.ddp = DistributedDataParallel(module, **ddp_kwargs)
-        self.clock = clock_for(self.device)
+        self.clock: Clock = clock_for(self.device)
         self.comm = CommState(clock=self.clock, transform=Preconditioner(optimizer))
         self.ddp.register_comm_hook(self.comm, weighted_allreduce_hook)
         caps, names = self._gather_identity(max_local_batch, device_name)
@@ -175,9 +175,10 @@ class HeteroDataParallel(nn.Module):
 
     # -- exposed state ---------------------------------------------------------------------------
     @property
-    def module(self) -> nn.Module:  # type: ignore[override]
+    def module(self) -> nn.Module:
         """The user's model (save its state_dict)."""
-        return self.ddp.module
+        module: nn.Module = self.ddp.module
+        return module
 
     @property
     def plan(self) -> Plan:
@@ -232,7 +233,7 @@ class HeteroDataParallel(nn.Module):
         if self._stepping and torch.is_grad_enabled() and self._bwd_start is None:
             tensor = _first_grad_tensor(out)
             if tensor is not None:
-                tensor.register_hook(self._mark_backward_start)
+                tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
         return out
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:

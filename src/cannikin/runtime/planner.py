@@ -338,10 +338,12 @@ class Planner:
             raise RuntimeError(f"worker {rank} ran out of memory at local batch {failed_batch}, "
                                f"the smallest allowed ({floor}); nothing smaller to try")
         caps = list(self.config.caps)
-        caps[rank] = cap if caps[rank] is None else min(caps[rank], cap)
+        old = caps[rank]
+        cap = cap if old is None else min(old, cap)
+        caps[rank] = cap
         self.config.caps = tuple(caps)
         logger.warning("worker %d ran out of memory at local batch %d; its cap is now %d",
-                       rank, failed_batch, caps[rank])
+                       rank, failed_batch, cap)
         return cap
 
     # -- internals -------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ class CudaClock:
         self.device = device
 
     def mark(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record(torch.cuda.current_stream(self.device))
         return event
 
