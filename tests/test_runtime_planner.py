@@ -95,9 +95,9 @@ def test_partial_batch_is_split_over_the_remainder() -> None:
     cluster = truth((4.0, 1.0, 1.0))
     planner = Planner(PlannerConfig(world_size=3, init_batch=90))
     run(planner, cluster, 10)
-    for total in (1, 2, 7, 89):
+    for total in (1, 2, 3, 7, 89):
         split = planner.split_for(total)
-        assert sum(split) == total and min(split) >= 0
+        assert sum(split) == total and min(split) >= (1 if total >= 3 else 0)
     assert planner.split_for(50)[0] < planner.split_for(50)[1]  # the slow worker gets less
     with pytest.raises(ValueError, match="at most the planned 90"):
         planner.split_for(91)

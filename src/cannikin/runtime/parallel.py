@@ -126,7 +126,7 @@ class HeteroDataParallel(nn.Module):
             world_size=self.world_size, init_batch=loader.batch_size, split=split,
             replan_every=replan_every, warmup_steps=warmup_steps,
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
-            max_local=hi, caps=caps, names=names))
+            max_local=hi, caps=caps, names=names), log_plans=self.rank == 0)
         self.scaler = LRScaler(optimizer, lr_scaling, init_batch=loader.batch_size)
         self.step = 0
         self.last_metrics: dict[str, Any] = {}

@@ -209,6 +209,8 @@ class Planner:
     """Fits the cluster from step reports and re-plans on a cadence; same on every rank."""
 
     config: PlannerConfig
+    log_plans: bool = True
+    """Log each plan and the fitted models at INFO (the runtime sets it on rank 0 only)."""
     fitters: list[NodeFitter] = field(init=False)
     comm_fitter: CommFitter = field(init=False)
     tracker: PredictionTracker = field(init=False)
@@ -243,8 +245,10 @@ class Planner:
             raise ValueError(f"a step takes at most the planned {self.current.total_batch} "
                              f"samples, asked for {total}")
         if self.cluster_model is not None and self.config.split == "optimal":
+            # every worker keeps at least one sample while there are enough to go round
+            lo = min(self.config.min_local, total // self.config.world_size)
             try:
-                return optimal_split(self._bounded(self.cluster_model, min_local=0),
+                return optimal_split(self._bounded(self.cluster_model, min_local=lo),
                                      total).local_batches
             except ValueError as exc:
                 logger.debug("partial batch %d: optimal split infeasible (%s), even", total, exc)
@@ -303,7 +307,7 @@ class Planner:
         self.tracker.end_window()
         cluster = self._fit()
         cfg = self.config
-        total = self.current.total_batch
+        total = self._fitting_total(self.current.total_batch)
         noise = self.noise.noise_scale()
         if cluster is None:
             record = self._record(step, reason, self._even(total), None, noise=noise)
@@ -322,13 +326,17 @@ class Planner:
             record = self._record(step, reason, plan.local_batches, plan.step_time,
                                   cluster=cluster, noise=noise)
         self.current = record
+        if self.log_plans:
+            self._log(record, cluster)
+        return record
+
+    def _log(self, record: PlanRecord, cluster: ClusterModel | None) -> None:
         logger.info("plan at step %d (%s): B=%d split=%s predicted=%s noise_scale=%s",
-                    step, reason, record.total_batch, list(record.local_batches),
+                    record.step, record.reason, record.total_batch, list(record.local_batches),
                     "n/a" if record.predicted_step_s is None
-                    else f"{record.predicted_step_s * 1e3:.1f} ms", noise)
+                    else f"{record.predicted_step_s * 1e3:.1f} ms", record.noise_scale)
         if cluster is not None:
             logger.info("fitted models: %s; comm %s", list(cluster.nodes), cluster.comm)
-        return record
 
     def lower_cap(self, rank: int, failed_batch: int) -> int:
         """Worker ``rank`` ran out of memory at ``failed_batch``: lower its cap; return it."""
@@ -347,6 +355,17 @@ class Planner:
         return cap
 
     # -- internals -------------------------------------------------------------------------------
+    def _fitting_total(self, total: int) -> int:
+        """``total``, lowered to what the caps can hold (after out-of-memory lowered them)."""
+        room = [self.config.cap_of(i) for i in range(self.config.world_size)]
+        if None in room:
+            return total
+        fits = sum(r for r in room if r is not None)
+        if fits < total:
+            logger.warning("the local caps %s hold only %d samples: total batch %d -> %d",
+                           room, fits, total, fits)
+        return min(total, fits)
+
     def _even(self, total: int) -> tuple[int, ...]:
         return capped_even_split(total, [self.config.cap_of(i)
                                          for i in range(self.config.world_size)])
