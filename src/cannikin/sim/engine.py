@@ -129,10 +129,16 @@ def _measure(block_times: np.ndarray, block_fwd: np.ndarray, block_bwd: np.ndarr
 
 def run_policy(truth: GroundTruth, name: str, cfg: SimConfig | None = None) -> RunResult:
     """Simulate one policy to the target (or to ``cfg.max_time_s``)."""
-    cfg = cfg or SimConfig()
-    rng = np.random.default_rng(cfg.seed)
     ctx = make_context(truth)
-    policy = make_policy(name, ctx, truth)
+    return drive(truth, make_policy(name, ctx, truth), ctx, cfg)
+
+
+def drive(truth: GroundTruth, policy: Policy, ctx: PolicyContext,
+          cfg: SimConfig | None = None) -> RunResult:
+    """Run ``policy`` against ``truth``: it gets a Measurement after each block, nothing else."""
+    cfg = cfg or SimConfig()
+    name = policy.name
+    rng = np.random.default_rng(cfg.seed)
     target = truth.workload.target_samples
     t = progress = 0.0
     steps = samples = 0

@@ -16,7 +16,7 @@ import numpy as np
 
 from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size
-from cannikin.optperf import optimal_split
+from cannikin.optperf import Plan, optimal_split
 from cannikin.perf import ClusterModel, CommFitter, NodeFitter, NodeModel
 from cannikin.sim.measure import Measurement, PolicyContext
 
@@ -231,11 +231,10 @@ class Oracle(Policy):
     """The limit: OptPerf and goodput on the noise-free ground truth, true noise scale.
 
     The true compute curves are not linear, so it linearises them around its current
-    split and re-plans until the split stops moving (at most a few rounds).
+    split and re-plans until the split stops moving (``GroundTruth.linearised_plan``).
     """
 
     name = "oracle"
-    rounds: ClassVar[int] = 4
 
     def __init__(self, ctx: PolicyContext, truth: GroundTruth) -> None:
         super().__init__(ctx)
@@ -253,21 +252,19 @@ class Oracle(Policy):
         truth = self._truth
         phi = truth.noise_scale(self._progress / truth.workload.target_samples)
         max_batch = min(self.ctx.max_batch, int(self._caps.sum()))
-        split = self._split
-        for _ in range(self.rounds):
-            lo = np.maximum(1.0, np.floor(split / 2))
-            hi = np.minimum(self._caps, np.ceil(split * 2) + 8)
-            cluster = truth.linear_cluster(lo, hi, self._elapsed)
+        choices = []
+
+        def plan(cluster: ClusterModel) -> Plan:
             choice = choose_batch_size(cluster, phi, self.ctx.init_batch, max_batch,
                                        current=self._batch, min_gain=0.0)
-            new = np.array(choice.plan.local_batches, dtype=float)
-            self._batch = choice.total_batch
-            if np.array_equal(new, split):
-                break
-            split = new
-        self._split = split
-        self._predicted = truth.expected_step_time(split, self._elapsed)
-        return tuple(int(b) for b in split)
+            choices.append(choice)
+            return choice.plan
+
+        _, best = truth.linearised_plan(plan, self._split, self._elapsed)
+        self._batch = choices[-1].total_batch
+        self._split = np.array(best.local_batches, dtype=float)
+        self._predicted = truth.expected_step_time(self._split, self._elapsed)
+        return tuple(int(b) for b in best.local_batches)
 
     def observe(self, m: Measurement) -> None:
         truth = self._truth

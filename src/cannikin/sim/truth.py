@@ -18,10 +18,12 @@ Policies never get this object (see :mod:`cannikin.sim.engine`); they see
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from cannikin.optperf import Plan
 from cannikin.perf import ClusterModel, CommModel, NodeModel
 from cannikin.sim.cluster import ClusterSpec
 from cannikin.sim.profiles import Workload, device
@@ -192,6 +194,25 @@ class GroundTruth:
 
     def linear_cluster(self, lo: np.ndarray, hi: np.ndarray, t: float = 0.0) -> ClusterModel:
         return ClusterModel(nodes=self.linear_nodes(lo, hi, t), comm=self.comm_model())
+
+    def linearised_plan(self, plan: Callable[[ClusterModel], Plan], split: np.ndarray,
+                        t: float = 0.0, rounds: int = 4) -> tuple[ClusterModel, Plan]:
+        """Plan on lines fitted around the split, re-fitted around each new plan's split.
+
+        The true curves are not linear; a line is accurate only near where it was fitted,
+        so this iterates until the split stops moving (at most ``rounds`` times).
+        """
+        current = np.asarray(split, dtype=float)
+        for _ in range(rounds):
+            lo = np.maximum(1.0, np.floor(current / 2))
+            hi = np.minimum(self.max_local_batch, np.ceil(current * 2) + 8)
+            cluster = self.linear_cluster(lo, hi, t)
+            result = plan(cluster)
+            new = np.array(result.local_batches, dtype=float)
+            if np.array_equal(new, current):
+                break
+            current = new
+        return cluster, result
 
 
 def timeline(fwd_s: np.ndarray, bwd_s: np.ndarray, ready: np.ndarray,
