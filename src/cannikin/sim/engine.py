@@ -221,5 +221,5 @@ def compare(spec: ClusterSpec, workload: Workload, cfg: SimConfig | None = None,
     results = {}
     for name in policies:
         results[name] = run_policy(truth, name, cfg)
-        logger.info("%s: %s", name, results[name].time_to_target_s)
+        logger.debug("%s: time to target %s s", name, results[name].time_to_target_s)
     return Comparison(cluster=spec, workload=workload, results=results)
