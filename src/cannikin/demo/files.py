@@ -31,8 +31,8 @@ def result_name(phase: str) -> str:
     return f"result_{phase}.json"
 
 
-def indices_name(phase: str, rank: int) -> str:
-    return f"indices_{phase}_rank{rank}.json"
+def rank_name(phase: str, rank: int) -> str:
+    return f"rank{rank}_{phase}.json"
 
 
 def write_json(path: Path, data: Any) -> None:

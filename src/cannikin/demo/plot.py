@@ -42,11 +42,10 @@ def write_plot(
 
     plans = _phase(records, "cannikin", "plan")
     steps = [r["step"] for r in plans]
-    cmap = plt.get_cmap("viridis")
+    palette = plt.get_cmap("tab10")
     for rank, speed in enumerate(speeds):
         ax_split.plot(steps, [r["local_batches"][rank] for r in plans], lw=2,
-                      color=cmap(rank / max(1, len(speeds) - 1)),
-                      label=f"worker {rank} (speed {speed:g})")
+                      color=palette((rank + 2) % 10), label=f"worker {rank} (speed {speed:g})")
     even_plans = _phase(records, "even", "plan")
     if even_plans:
         even_batches = sorted(set(even_plans[-1]["local_batches"]))
@@ -55,6 +54,7 @@ def write_plot(
                              label="even split (DDP)" if i == 0 else None)
     ax_split.set(title="Cannikin: local batch size per worker", xlabel="step",
                  ylabel="local batch (samples)")
+    ax_split.set_ylim(bottom=0)
     ax_split.legend(fontsize=9)
 
     for phase, title in PHASE_TITLES.items():

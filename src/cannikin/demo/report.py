@@ -64,15 +64,16 @@ def epoch_coverage(per_rank: Sequence[Sequence[Sequence[int]]]) -> tuple[list[in
 def phase_summary(
     result: Mapping[str, Any],
     plan_records: Sequence[Mapping[str, Any]],
-    indices: Sequence[Sequence[Sequence[int]]],
+    ranks: Sequence[Mapping[str, Any]],
 ) -> dict[str, Any]:
-    """One phase's figures (see the module docstring for their definitions)."""
+    """One phase's figures (see the module docstring for their definitions), from its result,
+    its per-step records and every rank's file (slowdown, threads, indices per epoch)."""
     tail = plan_records[len(plan_records) // 2:]
     paired = [
         (r["predicted_step_time_s"], r["step_time_s"]) for r in tail
         if len(_finite([r.get("predicted_step_time_s"), r.get("step_time_s")])) == 2
     ]
-    distinct, repeats = epoch_coverage(indices)
+    distinct, repeats = epoch_coverage([rank["epochs"] for rank in ranks])
     return {
         "throughput": result["samples"] / result["wall_s"],
         "mean_step_time_s": _mean([r.get("step_time_s") for r in plan_records]),
@@ -89,6 +90,8 @@ def phase_summary(
         "wall_s": result["wall_s"],
         "samples_seen_per_epoch": distinct,
         "repeated_samples_per_epoch": repeats,
+        "slowdowns": [rank["slowdown"] for rank in ranks],
+        "num_threads": [rank["num_threads"] for rank in ranks],
     }
 
 
@@ -97,14 +100,14 @@ def build_report(
     train_size: int,
     results: Mapping[str, Mapping[str, Any]],
     records: Sequence[Mapping[str, Any]],
-    indices: Mapping[str, Sequence[Sequence[Sequence[int]]]],
+    ranks: Mapping[str, Sequence[Mapping[str, Any]]],
 ) -> dict[str, Any]:
     """The ``--json`` document: per phase figures, the ideal, and exactly-once coverage."""
     phases = {
         phase: phase_summary(
             results[phase],
             [r for r in records if r.get("phase") == phase and r.get("kind") == "plan"],
-            indices[phase],
+            ranks[phase],
         )
         for phase in PHASE_TITLES
     }

@@ -55,12 +55,12 @@ def run_demo(
                   on_poll=poll)
     wall_s = time.monotonic() - start
     results = {p: files.read_json(out_dir / files.result_name(p)) for p in PHASE_TITLES}
-    indices = {
-        p: [files.read_json(out_dir / files.indices_name(p, r)) for r in range(config.workers)]
+    ranks = {
+        p: [files.read_json(out_dir / files.rank_name(p, r)) for r in range(config.workers)]
         for p in PHASE_TITLES
     }
     records = read_jsonl(out_dir / files.METRICS)
-    report = build_report(config, DIGITS_TRAIN_SIZE, results, records, indices)
+    report = build_report(config, DIGITS_TRAIN_SIZE, results, records, ranks)
     report["wall_s"] = wall_s
     if plot_path is not None:
         from cannikin.demo.plot import write_plot

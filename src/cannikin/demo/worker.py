@@ -4,7 +4,8 @@ Cannikin, on the same samples, and writes what the parent needs to report.
 Run as ``python -m cannikin.demo.worker --config CONFIG.json --out DIR`` under torchrun. Files
 written into DIR (see :mod:`cannikin.demo.files`): rank 0 appends per-step metrics to the
 metrics JSONL and writes one result JSON per phase; every rank writes the sample indices it
-trained on, per epoch, so the parent can check that each epoch saw every sample once.
+trained on, per epoch (so the parent can check that each epoch saw every sample once), with
+its slowdown factor and thread count.
 """
 
 from __future__ import annotations
@@ -94,7 +95,11 @@ def _train_phase(
     dist.barrier()
     wall_s = time.perf_counter() - start
     slowdown.remove()
-    files.write_json(out / files.indices_name(phase, ctx.rank), indices)
+    files.write_json(
+        out / files.rank_name(phase, ctx.rank),
+        {"slowdown": slowdown_from_env(ctx.rank), "num_threads": torch.get_num_threads(),
+         "epochs": indices},
+    )
     if ctx.rank == 0:
         assert sink is not None and losses is not None
         sink.close()
