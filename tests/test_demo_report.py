@@ -58,7 +58,8 @@ def fake_phase(phase: str, step_s: float, batches: list[int], steps: int) -> tup
         records.append({"phase": phase, "kind": "train", "step": s, "loss": 1 / s,
                         "samples": s * total, "wall_s": s * step_s})
     result = {"phase": phase, "steps": steps, "samples": steps * total,
-              "wall_s": steps * step_s, "final_loss": 0.2, "test_loss": 0.3, "accuracy": 0.9,
+              "wall_s": steps * step_s, "train_size": 30, "test_size": 8,
+              "final_loss": 0.2, "test_loss": 0.3, "accuracy": 0.9,
               "local_batches": batches, "prediction_error_median": 0.1,
               "prediction_error_step_median": float("nan")}
     ranks = [{"slowdown": 4 / sp, "num_threads": 1, "epochs": [list(range(r, 30, 3))]}
@@ -72,7 +73,7 @@ def report() -> dict[str, Any]:
     phases = {"even": fake_phase("even", 0.4, [7, 7, 7], 10),
               "cannikin": fake_phase("cannikin", 0.2, [3, 6, 12], 10)}
     records = phases["even"][1] + phases["cannikin"][1]
-    return build_report(config, 30, {p: v[0] for p, v in phases.items()}, records,
+    return build_report(config, {p: v[0] for p, v in phases.items()}, records,
                         {p: v[2] for p, v in phases.items()})
 
 
@@ -98,9 +99,10 @@ def test_table_shows_both_runs_and_the_ideal(report: dict[str, Any]) -> None:
     from rich.console import Console
 
     rows = {row[0]: row[1:] for row in table_rows(report)}
-    assert rows["throughput (samples/s)"] == ("52", "105 (2.00x)", "ideal 122")
-    assert rows["local batches (last plan)"][:2] == ("7 7 7", "3 6 12")
-    assert rows["samples seen per epoch"][1] == "1/1 epochs all 30"
+    assert rows["throughput, samples/s"] == ("52", "105 (2.00x)", "ideal 122")
+    assert rows["local batches"][:2] == ("7 7 7", "3 6 12")
+    assert rows["step predicted/measured"][1] == "220.0 / 200.0 ms"
+    assert rows["samples seen (of 30)"][1] == "all, 1/1 epochs"
     console = Console(record=True, width=140)
     console.print(render_table(report))
     assert "Cannikin" in console.export_text()

@@ -71,8 +71,8 @@ class DemoConfig:
     """Largest total batch the adaptive mode may choose."""
     replan_every: int = 5
     """Steps between re-plans of the split."""
-    lr: float = 0.05
-    """SGD learning rate at the initial batch B0 (scaled by AdaScale as B grows)."""
+    lr: float = 0.1
+    """SGD (Nesterov momentum 0.9) learning rate at B0; AdaScale scales it as B grows."""
     seed: int = 0
     """Seed of the model initialisation, the data split and the sample order."""
     verbose: bool = False

@@ -30,7 +30,7 @@ class DemoProgress:
             TextColumn("loss {task.fields[loss]}"),
             TimeElapsedColumn(),
             console=console,
-            disable=not enabled,
+            disable=not (enabled and console.is_terminal),
         )
         self._tasks = {
             phase: self._progress.add_task(

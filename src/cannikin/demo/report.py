@@ -97,7 +97,6 @@ def phase_summary(
 
 def build_report(
     config: DemoConfig,
-    train_size: int,
     results: Mapping[str, Mapping[str, Any]],
     records: Sequence[Mapping[str, Any]],
     ranks: Mapping[str, Sequence[Mapping[str, Any]]],
@@ -118,7 +117,8 @@ def build_report(
         "speeds": list(speeds),
         "batch_size": config.batch_size,
         "adaptive_batch": config.adaptive_batch,
-        "train_size": train_size,
+        "train_size": results["even"]["train_size"],
+        "test_size": results["even"]["test_size"],
         **phases,
         "ideal_throughput": even * sum(speeds) / (len(speeds) * min(speeds)),
         "speedup": phases["cannikin"]["throughput"] / even,
@@ -126,8 +126,10 @@ def build_report(
     }
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
+def _ms(seconds: float | None, unit: bool = True) -> str:
+    if seconds is None:
+        return "-"
+    return f"{1000 * seconds:.1f}" + (" ms" if unit else "")
 
 
 def _pct(fraction: float | None) -> str:
@@ -135,34 +137,36 @@ def _pct(fraction: float | None) -> str:
 
 
 def table_rows(report: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
-    """(figure, even, Cannikin, limit) rows of the printed table."""
+    """(figure, even, Cannikin, note) rows of the printed table (fits 80 columns)."""
     even, can = report["even"], report["cannikin"]
     n = report["train_size"]
+
+    def step_times(phase: Mapping[str, Any]) -> str:
+        pred, meas = phase["predicted_step_time_s"], phase["measured_step_time_s"]
+        return f"{_ms(pred, unit=False)} / {_ms(meas)}"
 
     def coverage(phase: Mapping[str, Any]) -> str:
         seen = phase["samples_seen_per_epoch"]
         full = sum(1 for s in seen if s == n)
-        return f"{full}/{len(seen)} epochs all {n}"
+        return f"all, {full}/{len(seen)} epochs"
 
     return [
-        ("throughput (samples/s)", f"{even['throughput']:.0f}",
+        ("throughput, samples/s", f"{even['throughput']:.0f}",
          f"{can['throughput']:.0f} ({report['speedup']:.2f}x)",
          f"ideal {report['ideal_throughput']:.0f}"),
         ("mean step time", _ms(even["mean_step_time_s"]), _ms(can["mean_step_time_s"]), ""),
-        ("step time predicted / measured",
-         f"{_ms(even['predicted_step_time_s'])} / {_ms(even['measured_step_time_s'])}",
-         f"{_ms(can['predicted_step_time_s'])} / {_ms(can['measured_step_time_s'])}",
-         "2nd half of steps"),
-        ("prediction error (median)", _pct(even["prediction_error_median"]),
-         _pct(can["prediction_error_median"]), "per re-plan window"),
-        ("local batches (last plan)", " ".join(map(str, even["local_batches"])),
+        ("step predicted/measured", step_times(even), step_times(can), "2nd half"),
+        ("prediction error", _pct(even["prediction_error_median"]),
+         _pct(can["prediction_error_median"]), "median/window"),
+        ("local batches", " ".join(map(str, even["local_batches"])),
          " ".join(map(str, can["local_batches"])),
          "speeds " + " ".join(f"{s:g}" for s in report["speeds"])),
         ("steps / samples", f"{even['steps']} / {even['samples']}",
          f"{can['steps']} / {can['samples']}", ""),
         ("final training loss", f"{even['final_loss']:.3f}", f"{can['final_loss']:.3f}", ""),
-        ("held-out accuracy", _pct(even["accuracy"]), _pct(can["accuracy"]), ""),
-        ("samples seen per epoch", coverage(even), coverage(can), "exactly once"),
+        ("held-out accuracy", _pct(even["accuracy"]), _pct(can["accuracy"]),
+         f"{report['test_size']} images"),
+        (f"samples seen (of {n})", coverage(even), coverage(can), "exactly once"),
     ]
 
 

@@ -60,7 +60,7 @@ def run_demo(
         for p in PHASE_TITLES
     }
     records = read_jsonl(out_dir / files.METRICS)
-    report = build_report(config, DIGITS_TRAIN_SIZE, results, records, ranks)
+    report = build_report(config, results, records, ranks)
     report["wall_s"] = wall_s
     if plot_path is not None:
         from cannikin.demo.plot import write_plot

@@ -29,7 +29,7 @@ from cannikin.demo.metrics import JsonlSink
 from cannikin.demo.model import DigitsCNN
 from cannikin.log import setup_logging
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
-from cannikin.runtime.distributed import DistContext, init_distributed
+from cannikin.runtime.distributed import DistContext, destroy_distributed, init_distributed
 from cannikin.runtime.emulate import install_slowdown, slowdown_from_env
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def _train_phase(
     torch.manual_seed(config.seed)
     net = DigitsCNN()
     slowdown = install_slowdown(net, slowdown_from_env(ctx.rank))
-    optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=MOMENTUM)
+    optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=MOMENTUM, nesterov=True)
     loader = HeteroDataLoader(data.train, batch_size=config.batch_size, seed=config.seed)
     if config.adaptive_batch and split == "optimal":
         loader.autoscale_batch_size(
@@ -112,6 +112,8 @@ def _train_phase(
             "split": split,
             "steps": steps,
             "samples": seen,
+            "train_size": len(data.train),
+            "test_size": len(data.test_y),
             "wall_s": wall_s,
             "final_loss": final_loss,
             "train_accuracy": train_accuracy,
@@ -138,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = load_digits_split(config.seed)
     for phase, split in PHASES:
         _train_phase(config, ctx, data, phase, split, args.out)
-    dist.destroy_process_group()
+    destroy_distributed()
     return 0
 
 
