@@ -47,11 +47,9 @@ def write_plot(
         ax_split.plot(steps, [r["local_batches"][rank] for r in plans], lw=2,
                       color=palette((rank + 2) % 10), label=f"worker {rank} (speed {speed:g})")
     even_plans = _phase(records, "even", "plan")
-    if even_plans:
-        even_batches = sorted(set(even_plans[-1]["local_batches"]))
-        for i, b in enumerate(even_batches):
-            ax_split.axhline(b, color="gray", ls="--", lw=1,
-                             label="even split (DDP)" if i == 0 else None)
+    ax_split.plot([r["step"] for r in even_plans],
+                  [sum(r["local_batches"]) / len(speeds) for r in even_plans],
+                  color="gray", ls="--", lw=1.5, label="every worker, even split (DDP)")
     ax_split.set(title="Cannikin: local batch size per worker", xlabel="step",
                  ylabel="local batch (samples)")
     ax_split.set_ylim(bottom=0)
