@@ -66,7 +66,8 @@ class DemoProgress:
             elif record.get("kind") == "train":
                 recent = self._recent[phase]
                 recent.append((record["wall_s"], record["samples"]))
-                fields: dict[str, Any] = {"loss": f"{record['loss']:.3f}"}
+                loss = record.get("loss")  # None on a step where rank 0 had no samples
+                fields: dict[str, Any] = {} if loss is None else {"loss": f"{loss:.3f}"}
                 if len(recent) > 1 and recent[-1][0] > recent[0][0]:
                     dt = recent[-1][0] - recent[0][0]
                     steps_s = (len(recent) - 1) / dt

@@ -30,7 +30,7 @@ from cannikin.demo.model import DigitsCNN
 from cannikin.log import setup_logging
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 from cannikin.runtime.distributed import DistContext, destroy_distributed, init_distributed
-from cannikin.runtime.emulate import install_slowdown, slowdown_from_env
+from cannikin.runtime.emulate import slowdown_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,6 @@ def _train_phase(
 ) -> None:
     torch.manual_seed(config.seed)
     net = DigitsCNN()
-    slowdown = install_slowdown(net, slowdown_from_env(ctx.rank))
     optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=MOMENTUM, nesterov=True)
     loader = HeteroDataLoader(data.train, batch_size=config.batch_size, seed=config.seed)
     if config.adaptive_batch and split == "optimal":
@@ -64,6 +63,7 @@ def _train_phase(
         )
     sink = JsonlSink(out / files.METRICS, phase=phase, kind="plan") if ctx.rank == 0 else None
     losses = JsonlSink(out / files.METRICS, phase=phase, kind="train") if ctx.rank == 0 else None
+    # HeteroDataParallel emulates this rank's speed from CANNIKIN_SLOWDOWN (set by the parent)
     model = HeteroDataParallel(
         net, optimizer, loader, split=split, lr_scaling="adascale",
         replan_every=config.replan_every, metrics=sink,
@@ -76,11 +76,11 @@ def _train_phase(
     while seen < budget:
         indices.append([])
         for x, y, index in loader:
-            total_batch = loader.total_batch_size
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
+            total_batch = int(model.last_metrics["total_batch"])  # the same on every rank
             steps += 1
             seen += total_batch
             indices[-1].extend(index.tolist())
@@ -94,7 +94,7 @@ def _train_phase(
                 break
     dist.barrier()
     wall_s = time.perf_counter() - start
-    slowdown.remove()
+    model.remove_hooks()  # also ends the emulated slowdown before the evaluation
     files.write_json(
         out / files.rank_name(phase, ctx.rank),
         {"slowdown": slowdown_from_env(ctx.rank), "num_threads": torch.get_num_threads(),
