@@ -1,0 +1,1 @@
+"""Torch runtime of Cannikin: distributed set-up, data sampling, emulation, checkpoints."""

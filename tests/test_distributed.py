@@ -1,0 +1,85 @@
+"""init_distributed: single process in-process, and real gloo jobs under torchrun."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cannikin.runtime.distributed import (
+    DistContext,
+    destroy_distributed,
+    free_port,
+    init_distributed,
+)
+from dist_utils import WORKERS, run_torchrun
+
+WORKER = WORKERS / "allreduce_worker.py"
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_single_process_without_launcher() -> None:
+    ctx = init_distributed(env={})
+    try:
+        assert (ctx.rank, ctx.world_size, ctx.local_rank) == (0, 1, 0)
+        assert ctx.backend == "gloo" and ctx.device == torch.device("cpu")
+        value = torch.tensor([2.0])
+        dist.all_reduce(value)
+        assert value.item() == 2.0
+        assert init_distributed(env={}) == ctx  # an existing group is reused
+    finally:
+        destroy_distributed()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer, got 'x'"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+         r"rank must be in \[0, 2\), got 2"),
+    ],
+)
+def test_bad_environment_is_named(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        init_distributed(env=env)
+    assert not dist.is_initialized()
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
+        init_distributed(env={}, timeout_s=0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        init_distributed("mpi", env={})
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        DistContext(rank=0, world_size=0, local_rank=0, device=torch.device("cpu"),
+                    backend="gloo")
+
+
+def test_two_gloo_workers_all_reduce() -> None:
+    result = run_torchrun(WORKER, nproc=2, timeout_s=90).check()
+    for rank in (0, 1):
+        assert f"rank {rank} world 2 restart 0 sum 3 backend gloo" in result.stdout
+
+
+def test_hung_worker_fails_peers_with_timeout_naming_rank() -> None:
+    result = run_torchrun(WORKER, nproc=2, script_args=["--mode", "hang", "--timeout", "3"],
+                          timeout_s=90)
+    assert not result.timed_out, "the job hung instead of failing at the collective timeout"
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "rank 0 of 2: all-reduce failed (collective timeout 3 s" in output
+
+
+def test_elastic_restart_reforms_group_on_shared_store() -> None:
+    # Without the PrefixStore fix the restarted gloo workers fail with connectFullMesh errors.
+    result = run_torchrun(WORKER, nproc=2, max_restarts=1, timeout_s=90,
+                          script_args=["--mode", "crash-once", "--timeout", "20"]).check()
+    for rank in (0, 1):
+        assert f"rank {rank} world 2 restart 1 sum 3" in result.stdout
