@@ -37,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     "install_slowdown": "cannikin.runtime.emulate",
     "CheckpointManager": "cannikin.runtime.checkpoint",
     "CheckpointError": "cannikin.runtime.checkpoint",
+    "save_training": "cannikin.runtime.checkpoint",
+    "resume_training": "cannikin.runtime.checkpoint",
 }
 _SUBMODULES = ("perf", "optperf", "goodput", "gns", "scaling", "runtime", "sim")
 

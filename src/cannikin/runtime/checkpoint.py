@@ -8,7 +8,9 @@ values are converted; anything else is refused when saving). Loading uses
 Writes go to a temporary file in the same directory, are fsynced and then renamed over the
 target (``os.replace`` is atomic on POSIX), so a crash mid-write leaves the old file intact.
 :class:`CheckpointManager` keeps the last few checkpoints of a run, so that a corrupt newest
-file still leaves a good one to resume from. In a multi-worker job only one rank should save.
+file still leaves a good one to resume from. In a multi-worker job only one rank should save:
+:func:`save_training` and :func:`resume_training` do that for a whole training job (every rank
+calls them; rank 0 writes, every rank reads the same file), on top of the same manager.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import os
 import re
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -172,3 +176,130 @@ class CheckpointManager:
             except CheckpointError as error:
                 logger.warning("skipping checkpoint of step %d: %s", step, error)
         return None
+
+
+# -- whole training jobs ---------------------------------------------------------------------------
+class Trainable(Protocol):
+    """What a job checkpoint needs from the model wrapper (HeteroDataParallel)."""
+
+    step: int
+    device: torch.device
+
+    def training_state_dict(self) -> dict[str, Any]: ...
+
+    def load_training_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resumed:
+    """Where :func:`resume_training` resumed from."""
+
+    step: int
+    """Optimizer steps completed when the checkpoint was taken (``model.step`` now)."""
+    path: Path
+    world_size: int
+    """Number of workers that wrote it (the RNG states are restored only if it is this job's)."""
+    extra: dict[str, Any]
+    """The ``extra`` state given to :func:`save_training` (e.g. an LR scheduler's)."""
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_ranks_ok(error: str | None, what: str) -> None:
+    """Raise CheckpointError on every rank if any rank failed (a collective, so it also
+    works as the barrier that keeps the ranks together)."""
+    rank, world = _rank_and_world()
+    errors: list[Any] = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise CheckpointError(f"{what} failed on rank {failed[0][0]}"
+                              f"{f' (and {len(failed) - 1} more)' if len(failed) > 1 else ''}: "
+                              f"{failed[0][1]}")
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def save_training(manager: CheckpointManager, model: Trainable, *,
+                  extra: Mapping[str, Any] | None = None) -> Path:
+    """Checkpoint a training job as step ``model.step``; every rank calls it, after
+    ``optimizer.step()``.
+
+    Rank 0 writes ``model.training_state_dict()`` (model, optimizer, loader position, planner
+    with its fitted models and noise scale, LR scaler), every rank's RNG state and ``extra``
+    through ``manager`` (atomic, the newest ``keep`` kept). Returns on every rank only once
+    the file is complete; a failed write raises CheckpointError on every rank.
+    """
+    rank, world = _rank_and_world()
+    rng: list[Any] = [_rng_state(model.device)]
+    if world > 1:
+        rng = [None] * world
+        dist.all_gather_object(rng, _rng_state(model.device))
+    path = manager.path_for(model.step)
+    error = None
+    if rank == 0:
+        state = {"training": model.training_state_dict(), "rng": rng, "world_size": world,
+                 "extra": dict(extra or {})}
+        try:
+            manager.save(model.step, state)
+        except CheckpointError as exc:
+            error = str(exc)
+    _all_ranks_ok(error, f"saving checkpoint {path}")
+    logger.info("checkpoint of step %d written to %s", model.step, path)
+    return path
+
+
+def resume_training(manager: CheckpointManager, model: Trainable,
+                    map_location: str | torch.device = "cpu") -> Resumed | None:
+    """Restore the newest readable checkpoint into ``model`` on every rank; None if none.
+
+    Every rank calls it before training. Rank 0 chooses the checkpoint (a corrupt or
+    truncated newest one is skipped with a warning, falling back to the previous good one)
+    and every rank loads that same file, so the directory must be visible to all ranks.
+    The RNG states are restored when the world size is the one that saved them.
+    """
+    rank, world = _rank_and_world()
+    chosen: list[Any] = [None]
+    state: dict[str, Any] | None = None
+    if rank == 0:
+        latest = manager.load_latest(map_location)
+        if latest is not None:
+            chosen[0], state = latest
+    if world > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        return None
+    step = int(chosen[0])
+    path = manager.path_for(step)
+    error = None
+    try:
+        if state is None:
+            state = load_checkpoint(path, map_location)
+        if not {"training", "rng", "world_size", "extra"} <= set(state):
+            raise CheckpointError(f"{path} is not a training checkpoint (keys {sorted(state)}); "
+                                  "write it with save_training()")
+        model.load_training_state_dict(state["training"])
+    except (CheckpointError, ValueError, KeyError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    _all_ranks_ok(error, f"resuming from {path}")
+    assert state is not None
+    saved_world = int(state["world_size"])
+    if saved_world == world:
+        rng = state["rng"][rank]
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and model.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], model.device)
+    else:
+        logger.info("checkpoint written by %d workers, resuming on %d: RNG states not restored",
+                    saved_world, world)
+    logger.info("resumed from %s (step %d)", path, step)
+    return Resumed(step=step, path=path, world_size=saved_world, extra=dict(state["extra"]))

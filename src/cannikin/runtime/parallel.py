@@ -364,6 +364,25 @@ class HeteroDataParallel(nn.Module):
         self.step = int(state["step"])
         self.planner.load_state_dict(state["planner"])
         self.scaler.load_state_dict(state["lr_scaler"])
+        self._prev_mark = None  # the first step after a resume must not time the load
+
+    def training_state_dict(self) -> dict[str, Any]:
+        """Everything this rank's job needs to resume: the model's and optimizer's state
+        dicts, the loader's position and :meth:`runtime_state_dict`. Rank-independent, so
+        one rank's copy restores every rank (save it with
+        :func:`cannikin.runtime.checkpoint.save_training`)."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "loader": self.loader.state_dict(), "runtime": self.runtime_state_dict()}
+
+    def load_training_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`training_state_dict` (every rank loads the same state)."""
+        missing = {"model", "optimizer", "loader", "runtime"} - set(state)
+        if missing:
+            raise ValueError(f"training state lacks {sorted(missing)}; got keys {sorted(state)}")
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loader.load_state_dict(state["loader"])
+        self.load_runtime_state_dict(state["runtime"])
 
     def remove_hooks(self) -> None:
         """Detach from the optimizer and remove the emulation (the model stays wrapped)."""
