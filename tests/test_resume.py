@@ -4,8 +4,9 @@ ONE torchrun launch (2 gloo workers, ``--max-restarts=1``) runs both scenarios o
 ``tests/workers/resume_worker.py``; see its docstring. What is exact and why:
 
 * even split: bitwise. The split, the LR factor (AdaScale with the restored noise scale on
-  the final partial batch) and the dropout masks (per-rank RNG restored) are the same as in
-  the uninterrupted run, so every floating-point operation is.
+  the final partial batch; each rank's last, not yet exchanged measurements are in the
+  checkpoint, so the noise scale misses no step) and the dropout masks (per-rank RNG
+  restored) are the same as in the uninterrupted run, so every floating-point operation is.
 * optimal split: within REL_TOL of the largest parameter. The split is planned from measured
   step times, which differ between any two runs (even two uninterrupted ones), so the resumed
   run may weight the same samples' gradients as (20, 4) where the reference used (19, 5):

@@ -189,6 +189,10 @@ class Trainable(Protocol):
 
     def load_training_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def rank_state_dict(self) -> dict[str, Any]: ...
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 @dataclass(frozen=True, kw_only=True)
 class Resumed:
@@ -198,7 +202,7 @@ class Resumed:
     """Optimizer steps completed when the checkpoint was taken (``model.step`` now)."""
     path: Path
     world_size: int
-    """Number of workers that wrote it (the RNG states are restored only if it is this job's)."""
+    """Number of workers that wrote it (per-rank state is restored only if it is this job's)."""
     extra: dict[str, Any]
     """The ``extra`` state given to :func:`save_training` (e.g. an LR scheduler's)."""
 
@@ -224,9 +228,19 @@ def _all_ranks_ok(error: str | None, what: str) -> None:
                               f"{failed[0][1]}")
 
 
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor | None]:
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+def _rank_state(model: Trainable) -> dict[str, Any]:
+    """What only this rank knows: its RNG states and the model wrapper's per-rank state."""
+    device = model.device
+    return {"cpu_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "model": model.rank_state_dict()}
+
+
+def _load_rank_state(model: Trainable, state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["cpu_rng"])
+    if state["cuda_rng"] is not None and model.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"], model.device)
+    model.load_rank_state_dict(state["model"])
 
 
 def save_training(manager: CheckpointManager, model: Trainable, *,
@@ -235,19 +249,20 @@ def save_training(manager: CheckpointManager, model: Trainable, *,
     ``optimizer.step()``.
 
     Rank 0 writes ``model.training_state_dict()`` (model, optimizer, loader position, planner
-    with its fitted models and noise scale, LR scaler), every rank's RNG state and ``extra``
+    with its fitted models and noise scale, LR scaler), every rank's own state (RNG, the
+    last step's measurements not yet exchanged) and ``extra``
     through ``manager`` (atomic, the newest ``keep`` kept). Returns on every rank only once
     the file is complete; a failed write raises CheckpointError on every rank.
     """
     rank, world = _rank_and_world()
-    rng: list[Any] = [_rng_state(model.device)]
+    ranks: list[Any] = [_rank_state(model)]
     if world > 1:
-        rng = [None] * world
-        dist.all_gather_object(rng, _rng_state(model.device))
+        ranks = [None] * world
+        dist.all_gather_object(ranks, _rank_state(model))
     path = manager.path_for(model.step)
     error = None
     if rank == 0:
-        state = {"training": model.training_state_dict(), "rng": rng, "world_size": world,
+        state = {"training": model.training_state_dict(), "ranks": ranks, "world_size": world,
                  "extra": dict(extra or {})}
         try:
             manager.save(model.step, state)
@@ -265,7 +280,8 @@ def resume_training(manager: CheckpointManager, model: Trainable,
     Every rank calls it before training. Rank 0 chooses the checkpoint (a corrupt or
     truncated newest one is skipped with a warning, falling back to the previous good one)
     and every rank loads that same file, so the directory must be visible to all ranks.
-    The RNG states are restored when the world size is the one that saved them.
+    Per-rank state (RNG, unexchanged measurements) is restored when the world size is the
+    one that saved it: then a run with a fixed split continues bitwise as if never stopped.
     """
     rank, world = _rank_and_world()
     chosen: list[Any] = [None]
@@ -284,22 +300,19 @@ def resume_training(manager: CheckpointManager, model: Trainable,
     try:
         if state is None:
             state = load_checkpoint(path, map_location)
-        if not {"training", "rng", "world_size", "extra"} <= set(state):
+        if not {"training", "ranks", "world_size", "extra"} <= set(state):
             raise CheckpointError(f"{path} is not a training checkpoint (keys {sorted(state)}); "
                                   "write it with save_training()")
         model.load_training_state_dict(state["training"])
+        if int(state["world_size"]) == world:
+            _load_rank_state(model, state["ranks"][rank])
     except (CheckpointError, ValueError, KeyError, RuntimeError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     _all_ranks_ok(error, f"resuming from {path}")
     assert state is not None
     saved_world = int(state["world_size"])
-    if saved_world == world:
-        rng = state["rng"][rank]
-        torch.set_rng_state(rng["cpu"])
-        if rng["cuda"] is not None and model.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], model.device)
-    else:
-        logger.info("checkpoint written by %d workers, resuming on %d: RNG states not restored",
-                    saved_world, world)
+    if saved_world != world:
+        logger.info("checkpoint written by %d workers, resuming on %d: per-rank state (RNG, "
+                    "last step's measurements) not restored", saved_world, world)
     logger.info("resumed from %s (step %d)", path, step)
     return Resumed(step=step, path=path, world_size=saved_world, extra=dict(state["extra"]))

@@ -418,6 +418,19 @@ class HeteroDataParallel(nn.Module):
         self.loader.load_state_dict(state["loader"])
         self.load_runtime_state_dict(state["runtime"])
 
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's own part of a checkpoint: the last step's measurements, which the
+        per-step exchange carries only with the next step. Restored on a resume with the
+        same workers, the planner and the noise scale see every step as without a restart."""
+        return {"previous": None if self._previous is None else self._previous.to_vector(),
+                "previous_global_sqnorm": self._previous_global_sqnorm}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's :meth:`rank_state_dict` (only with the world size that saved it)."""
+        previous = state["previous"]
+        self._previous = None if previous is None else StepReport.from_vector(previous)
+        self._previous_global_sqnorm = state["previous_global_sqnorm"]
+
     def remove_hooks(self) -> None:
         """Detach from the optimizer and remove the emulation (the model stays wrapped)."""
         for handle in self._hooks:
