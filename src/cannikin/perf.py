@@ -45,6 +45,12 @@ _SCALE_FLOOR = 1e-9
 DRIFT_SIGMAS = 5.0
 DRIFT_MIN_CHANGE = 0.15
 DRIFT_MIN_SEGMENT = 4
+# Stragglers are clipped before the change-point test, but never closer to the centre than
+# this: at low timing noise 3.5 robust deviations are less than DRIFT_MIN_CHANGE, and the
+# clipping would hide every shift (a 2x slowdown with 5% noise went unseen until it filled
+# half the window). 1.5x the smallest shift keeps two 10x stragglers among the last
+# DRIFT_MIN_SEGMENT samples below it.
+_DRIFT_CLIP_FLOOR = 1.5 * math.log1p(DRIFT_MIN_CHANGE)
 
 
 def _is_int(value: object) -> bool:
@@ -399,7 +405,8 @@ def _change_point(log_ratio: FloatArray) -> int:
         return 0
     centre = float(np.median(log_ratio))
     scale = 1.4826 * float(np.median(np.abs(log_ratio - centre)))
-    x = np.clip(log_ratio, centre - OUTLIER_SIGMAS * scale, centre + OUTLIER_SIGMAS * scale)
+    reach = max(OUTLIER_SIGMAS * scale, _DRIFT_CLIP_FLOOR)
+    x = np.clip(log_ratio, centre - reach, centre + reach)
     split = np.arange(DRIFT_MIN_SEGMENT, n - DRIFT_MIN_SEGMENT + 1)
     s1 = np.cumsum(x)[split - 1]
     s2 = np.cumsum(x * x)[split - 1]

@@ -37,6 +37,10 @@ MAX_BUCKETS = 16
 _PREVIOUS = 6 + 2 * MAX_BUCKETS  # batch, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c..
 REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
 OOM_CAP_FACTOR = 0.8
+DRIFT_CHECK_STEPS = 6
+"""A worker whose compute time is off its model by more than DRIFT_CHECK_CHANGE in the
+median of this many consecutive steps triggers a re-plan at once (single stragglers do not)."""
+DRIFT_CHECK_CHANGE = 0.3
 """After an out-of-memory at local batch b, that worker's cap becomes floor(0.8 b)."""
 _STATE_VERSION = 1
 
@@ -250,6 +254,8 @@ class Planner:
     _interval: int = field(default=0, init=False)  # steps from one re-plan to the next
     _next_replan: int = field(default=0, init=False)
     _window_ends: bool = field(default=False, init=False)
+    _drift_ratios: list[list[float]] = field(default_factory=list, init=False)
+    _drifted: int | None = field(default=None, init=False)  # a worker off its model
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -295,7 +301,7 @@ class Planner:
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
-        return step >= self._next_replan
+        return step >= self._next_replan or self._drifted is not None
 
     # -- feeding it ----------------------------------------------------------------------------
     def observe(self, step: int, reports: Sequence[WorkerReport],
@@ -309,7 +315,8 @@ class Planner:
         if all(p is not None for p in previous):
             done = [p for p in previous if p is not None]
             active = [p for p in done if p.batch > 0]
-            if len(active) >= 2 and previous_global_sqnorm is not None:
+            sane = all(math.isfinite(p.sqnorm) and p.sqnorm >= 0 for p in active)
+            if len(active) >= 2 and previous_global_sqnorm is not None and sane:
                 self.noise.update([p.sqnorm for p in active], [p.batch for p in active],
                                   previous_global_sqnorm)
             if step - 1 >= self.config.skip_steps:
@@ -325,8 +332,29 @@ class Planner:
             if t.batch > 0:
                 fitter.add(t.batch, t.fwd_s, t.bwd_s)
         self._add_comm([t for t in timings if t.batch > 0])
+        self._check_drift(timings)
         if self._pending is not None and math.isfinite(measured):
             self.tracker.record(self._pending, measured)
+
+    def _check_drift(self, timings: Sequence[StepReport]) -> None:
+        """Flag a worker whose measured compute has left its model for several steps, so
+        a speed change is followed without waiting for the (backed-off) cadence."""
+        cluster = self.cluster_model
+        if cluster is None:
+            return
+        if not self._drift_ratios:
+            self._drift_ratios = [[] for _ in timings]
+        for rank, (node, t) in enumerate(zip(cluster.nodes, timings, strict=True)):
+            predicted = node.forward_time(t.batch) + node.backward_time(t.batch)
+            ratio = (t.fwd_s + t.bwd_s) / predicted if predicted > 0 else math.nan
+            if t.batch <= 0 or not math.isfinite(ratio) or ratio <= 0:
+                continue  # no evidence either way (an empty or an invalid measurement)
+            recent = self._drift_ratios[rank]
+            recent.append(math.log(ratio))
+            del recent[:-DRIFT_CHECK_STEPS]
+            if (len(recent) == DRIFT_CHECK_STEPS and self._drifted is None
+                    and abs(float(np.median(recent))) > math.log1p(DRIFT_CHECK_CHANGE)):
+                self._drifted = rank
 
     def _add_comm(self, active: Sequence[StepReport]) -> None:
         counts = {len(r.allreduce_s) for r in active}
@@ -344,6 +372,9 @@ class Planner:
     def replan(self, step: int, reason: str = "cadence") -> PlanRecord:
         """Refit the cluster and choose the split (and total batch) from the next step on."""
         self._window_ends = True  # once this step's timing arrives
+        if self._drifted is not None and reason == "cadence":
+            reason = f"worker {self._drifted} drifted from its model"
+        self._drifted, self._drift_ratios = None, []
         cluster = self._fit()
         cfg = self.config
         total = self._fitting_total(self.current.total_batch)

@@ -1,0 +1,185 @@
+"""The planner loop under bad measurements (pure, one process).
+
+A 4-worker ground-truth cluster (slowdowns 1, 2, 1, 1; B = 128) is measured with 5%
+noise and fed to the planner as the runtime does (each step's timings arrive with the next
+step's exchange). Against it: a worker that reports NaN, inf or negative times; single
+10x straggler steps; a worker whose speed halves mid-run. Every plan must be valid (sums
+to B, within the local bounds and caps); outliers must not move it; drift must be followed
+within DRIFT_BOUND_STEPS. Quality is the true step time of the plan over the true optimum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pytest
+
+from cannikin.optperf import optimal_split
+from cannikin.perf import ClusterModel, CommModel, NodeModel
+from cannikin.runtime.planner import Planner, PlannerConfig, StepReport, WorkerReport
+
+COMM = CommModel(buckets=[(0.4, 0.004), (1.0, 0.006)])
+B = 128
+SPEEDS = (1.0, 2.0, 1.0, 1.0)
+CAPS = (None, None, 40, None)
+STEPS = 160
+SEEDS = range(5)
+NEAR_OPTIMAL = 1.05
+"""A plan "follows" the cluster when its true step time is within 5% of the optimum."""
+DRIFT_BOUND_STEPS = 20
+"""Steps after a 2x slowdown by which the plan must be near-optimal for good."""
+
+Corrupt = Callable[[int, list[StepReport]], list[StepReport]]
+
+
+def truth(slowdowns: Sequence[float]) -> ClusterModel:
+    return ClusterModel(nodes=[NodeModel(fwd=(0.003 * k, 0.0004 * k), bwd=(0.006 * k, 0.0008 * k),
+                                         max_batch=cap)
+                               for k, cap in zip(slowdowns, CAPS, strict=True)], comm=COMM)
+
+
+def measure(cluster: ClusterModel, split: Sequence[int],
+            rng: np.random.Generator) -> list[StepReport]:
+    """Each rank's measurements of one step (5% multiplicative noise)."""
+    step = cluster.step_time(list(split)) * (1 + 0.05 * rng.standard_normal())
+    ready = [[n.forward_time(b) + rho * n.backward_time(b) for rho, _ in COMM.buckets]
+             for n, b in zip(cluster.nodes, split, strict=True)]
+    last = np.max(ready, axis=0)
+    return [StepReport(batch=b, sqnorm=1.0 + 50.0 / max(b, 1),
+                       fwd_s=n.forward_time(b) * (1 + 0.05 * rng.standard_normal()),
+                       bwd_s=n.backward_time(b) * (1 + 0.05 * rng.standard_normal()),
+                       step_s=step, ready_fractions=(0.4, 1.0),
+                       allreduce_s=tuple(c + w for (_, c), w in
+                                         zip(COMM.buckets, last - np.array(ready[i]),
+                                             strict=True)))
+            for i, (n, b) in enumerate(zip(cluster.nodes, split, strict=True))]
+
+
+def drive(speeds_at: Callable[[int], Sequence[float]], seed: int,
+          corrupt: Corrupt | None = None,
+          inspect: Callable[[int, Planner], None] | None = None
+          ) -> tuple[list[tuple[int, ...]], list[float]]:
+    """Run the planner loop; return each step's split and its true time / optimum.
+    ``inspect(step, planner)`` is called after each step's measurements are folded in."""
+    planner = Planner(PlannerConfig(world_size=len(SPEEDS), init_batch=B, caps=CAPS),
+                      log_plans=False)
+    rng = np.random.default_rng(seed)
+    previous: list[StepReport | None] = [None] * len(SPEEDS)
+    previous_global: float | None = None
+    splits, quality = [], []
+    for step in range(STEPS):
+        cluster = truth(speeds_at(step))
+        split = planner.split_for(planner.total_batch)
+        splits.append(split)
+        quality.append(cluster.step_time(list(split)) / optimal_split(cluster, B).step_time)
+        planner.observe(step, [WorkerReport(batch=b, previous=p)
+                               for b, p in zip(split, previous, strict=True)], previous_global)
+        measured = measure(cluster, split, rng)
+        previous = list(corrupt(step, measured) if corrupt else measured)
+        previous_global = 1.0 + 50.0 / sum(split)
+        if inspect is not None:
+            inspect(step, planner)
+        if planner.due(step):
+            planner.replan(step)
+    return splits, quality
+
+
+def assert_valid(splits: Sequence[tuple[int, ...]]) -> None:
+    for split in splits:
+        assert sum(split) == B and min(split) >= 1, split
+        assert all(cap is None or b <= cap for b, cap in zip(split, CAPS, strict=True)), split
+
+
+def settled_at(quality: Sequence[float], start: int) -> int:
+    """Steps from ``start`` until every later plan is near-optimal."""
+    late = [s for s in range(start, len(quality)) if quality[s] > NEAR_OPTIMAL]
+    return late[-1] + 1 - start if late else 0
+
+
+def steady(step: int) -> Sequence[float]:
+    return SPEEDS
+
+
+def clean_settle() -> list[int]:
+    return [settled_at(drive(steady, seed)[1], 0) for seed in SEEDS]
+
+
+def bad_timer(value: float) -> Corrupt:
+    """Worker 1 (the slow one) reports ``value`` for every time on every third step."""
+    def corrupt(step: int, reports: list[StepReport]) -> list[StepReport]:
+        if step % 3:
+            return reports
+        reports[1] = dataclasses.replace(reports[1], fwd_s=value, bwd_s=value, step_s=value,
+                                         allreduce_s=(value, value), sqnorm=value)
+        return reports
+    return corrupt
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -0.01, -math.inf])
+def test_non_finite_or_negative_times_are_ignored(value: float) -> None:
+    for seed in SEEDS[:3]:
+        splits, quality = drive(steady, seed, bad_timer(value))
+        assert_valid(splits)
+        assert settled_at(quality, 0) <= 30, (seed, quality)  # converges as with clean data
+        assert max(quality[30:]) <= NEAR_OPTIMAL
+
+
+STRAGGLERS = (40, 41, 77, 120)
+"""Steps on which worker ``step % 4`` is 10x slow (one step each)."""
+
+
+def test_ten_x_straggler_steps_do_not_swing_the_plan() -> None:
+    def straggle(step: int, reports: list[StepReport]) -> list[StepReport]:
+        if step in STRAGGLERS:
+            i = step % 4
+            r = reports[i]
+            reports[i] = dataclasses.replace(r, fwd_s=10 * r.fwd_s, bwd_s=10 * r.bwd_s)
+            reports = [dataclasses.replace(t, step_s=10 * t.step_s) for t in reports]
+        return reports
+
+    def predictions(store: dict[int, float]) -> Callable[[int, Planner], None]:
+        def inspect(step: int, planner: Planner) -> None:
+            # the straggler's sample is in the window from step + 1 on: the worker's model
+            # at its current batch, fitted now
+            if step - 1 in STRAGGLERS:
+                i = (step - 1) % 4
+                model = planner.fitters[i].fit()
+                assert model is not None
+                b = planner.local_batches[i]
+                store[step] = model.forward_time(b) + model.backward_time(b)
+        return inspect
+
+    worst = 0.0
+    for seed in SEEDS:
+        clean_fit: dict[int, float] = {}
+        hit_fit: dict[int, float] = {}
+        drive(steady, seed, inspect=predictions(clean_fit))
+        splits, quality = drive(steady, seed, straggle, inspect=predictions(hit_fit))
+        assert_valid(splits)
+        assert max(quality[30:]) <= NEAR_OPTIMAL, (seed, quality)
+        worst = max(worst, *(abs(hit_fit[s] / clean_fit[s] - 1) for s in clean_fit))
+    print(f"10x straggler: worst change of the straggler's fitted time {worst:.1%}")
+    assert worst < 0.03
+
+
+@pytest.mark.parametrize(("worker", "factor"), [(0, 2.0), (1, 0.5), (3, 2.0)])
+def test_a_two_x_drift_is_followed_within_a_bounded_number_of_steps(
+        worker: int, factor: float) -> None:
+    drift_at = 70
+
+    def speeds(step: int) -> Sequence[float]:
+        if step < drift_at:
+            return SPEEDS
+        return tuple(k * factor if i == worker else k for i, k in enumerate(SPEEDS))
+
+    followed = []
+    for seed in SEEDS:
+        splits, quality = drive(speeds, seed)
+        assert_valid(splits)
+        assert max(quality[30:drift_at]) <= NEAR_OPTIMAL
+        followed.append(settled_at(quality, drift_at))
+    print(f"drift of worker {worker} x{factor}: followed after {followed} steps")
+    assert max(followed) <= DRIFT_BOUND_STEPS, followed
