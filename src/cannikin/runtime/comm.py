@@ -116,7 +116,13 @@ def weighted_allreduce_hook(
 
     def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         state.done[slot] = state.clock.mark()
-        reduced = fut.value()[0]
+        try:
+            reduced = fut.value()[0]
+        except RuntimeError as error:  # gloo/nccl: the process group's timeout ran out
+            raise RuntimeError(
+                f"rank {dist.get_rank(state.group)} of {dist.get_world_size(state.group)}: "
+                f"gradient all-reduce failed (a peer worker may be hung or dead; the wait is "
+                f"bounded by init_distributed's timeout_s): {error}") from error
         if rows is not None:
             state.rows_reduced = reduced[buffer.numel():].double().reshape(rows.shape)
             reduced = buffer.copy_(reduced[:buffer.numel()])

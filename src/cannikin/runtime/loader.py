@@ -83,12 +83,12 @@ class HeteroDataLoader:
     def __init__(self, dataset: Dataset[Any], batch_size: int, *, seed: int = 0,
                  drop_last: bool = False, collate_fn: Callable[[list[Any]], Batch] | None = None,
                  rank: int | None = None, world_size: int | None = None) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         size = len(dataset)  # type: ignore[arg-type]
-        if size < batch_size and drop_last:
+        if size < batch_size:
             raise ValueError(f"dataset of {size} samples is smaller than one batch "
-                             f"({batch_size}) and drop_last=True: no step would run")
+                             f"(batch_size={batch_size}): use batch_size <= {size}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate_fn = collate_fn or default_collate
@@ -112,6 +112,9 @@ class HeteroDataLoader:
         Without this call the total stays ``batch_size`` and only the split adapts.
         Call it before wrapping the model in HeteroDataParallel.
         """
+        if not isinstance(self.controller, _EvenSplit):
+            raise RuntimeError("autoscale_batch_size() must be called before the model is "
+                               "wrapped in HeteroDataParallel, which reads the bounds once")
         if not isinstance(max_batch_size, int) or max_batch_size < self.batch_size:
             raise ValueError(f"max_batch_size must be an integer >= batch_size "
                              f"({self.batch_size}), got {max_batch_size!r}")

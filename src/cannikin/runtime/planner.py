@@ -207,13 +207,12 @@ class PlannerConfig:
             if cap is not None and cap < max(self.min_local, 1):
                 raise ValueError(f"local batch cap {cap} is below the smallest local batch "
                                  f"{max(self.min_local, 1)}")
-        largest = self.max_batch or self.init_batch
         room = [self.cap_of(i) for i in range(self.world_size)]
         if None not in room and sum(r for r in room if r is not None) < self.init_batch:
             raise ValueError(f"batch_size {self.init_batch} does not fit the local caps {room}")
-        if self.min_local * self.world_size > largest:
+        if self.min_local * self.world_size > self.init_batch:
             raise ValueError(f"local_bsz_bounds lo={self.min_local} times {self.world_size} "
-                             f"workers exceeds the largest total batch {largest}")
+                             f"workers exceeds batch_size {self.init_batch}")
 
     def cap_of(self, rank: int) -> int | None:
         """Worker ``rank``'s largest local batch (memory cap and upper bound together)."""

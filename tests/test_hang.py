@@ -1,0 +1,15 @@
+"""A hung worker under HeteroDataParallel ends the job at the collective timeout with an
+error naming the rank (tests/test_distributed.py covers a bare all-reduce)."""
+
+from dist_utils import WORKERS, run_torchrun
+
+
+def test_hung_peer_fails_training_with_timeout_naming_rank() -> None:
+    result = run_torchrun(WORKERS / "hang_worker.py", nproc=2, script_args=["--timeout", "3"],
+                          timeout_s=90, env={"CANNIKIN_SLOWDOWN": ""})
+    assert not result.timed_out, "the job hung instead of failing at the collective timeout"
+    assert result.returncode != 0
+    assert "rank 1 stops responding" in result.stdout
+    output = result.stdout + result.stderr
+    assert "rank 0 of 2: gradient all-reduce failed (a peer worker may be hung" in output
+    assert "Timed out" in output  # the process group's timeout, not a crash

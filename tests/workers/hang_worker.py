@@ -1,0 +1,39 @@
+"""Worker for tests/test_hang.py: HeteroDataParallel training where the last rank stops
+responding at step 3; the others must fail at the collective timeout (``--timeout``),
+naming their rank, instead of waiting forever."""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from cannikin.log import setup_logging
+from cannikin.runtime import HeteroDataLoader, HeteroDataParallel, init_distributed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--timeout", type=float, default=3.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ctx = init_distributed(timeout_s=args.timeout)
+    setup_logging(ctx.rank)
+    data = TensorDataset(torch.randn(200, 4), torch.zeros(200, dtype=torch.long))
+    net = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = HeteroDataLoader(data, batch_size=20)
+    model = HeteroDataParallel(net, optimizer, loader)
+    for x, y in loader:
+        if model.step == 3 and ctx.rank == ctx.world_size - 1:
+            print(f"rank {ctx.rank} stops responding", flush=True)
+            time.sleep(3600)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    main()
