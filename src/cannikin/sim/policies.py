@@ -237,9 +237,10 @@ class Cannikin(_Learning):
         caps = self._trusted_caps()
         models = [f.fit(name=str(i), min_batch=1, max_batch=int(cap))
                   for i, (f, cap) in enumerate(zip(self._nodes, caps, strict=True))]
-        if comm is None or any(mdl is None for mdl in models):
+        fitted = [mdl for mdl in models if mdl is not None]
+        if comm is None or len(fitted) < len(models):
             return self._even(self._batch)
-        return self._choose(ClusterModel(nodes=models, comm=comm))
+        return self._choose(ClusterModel(nodes=fitted, comm=comm))
 
     def observe(self, m: Measurement) -> None:
         for i, fitter in enumerate(self._nodes):

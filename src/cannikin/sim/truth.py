@@ -138,7 +138,7 @@ class GroundTruth:
         """True per-sample noise scale at training progress ``progress`` in [0, 1]."""
         w = self.workload
         p = min(max(progress, 0.0), 1.0)
-        return w.noise_scale_start * (w.noise_scale_end / w.noise_scale_start) ** p
+        return float(w.noise_scale_start * (w.noise_scale_end / w.noise_scale_start) ** p)
 
     @staticmethod
     def grad_sqr(progress: float) -> float:
