@@ -160,16 +160,18 @@ class GroundTruth:
         b = np.asarray(local_batches, dtype=float)
         g2 = self.grad_sqr(progress)
         s = self.noise_scale(progress) * g2
-        mean = np.sqrt(g2 / GRAD_DIM)
-        scale = np.sqrt(s / (b * GRAD_DIM))[None, :, None]
-        weights = b / b.sum()
+        mean = np.float32(np.sqrt(g2 / GRAD_DIM))
+        scale = np.sqrt(s / (b * GRAD_DIM)).astype(np.float32)[None, :, None]
+        weights = (b / b.sum()).astype(np.float32)
         chunk = max(1, _GRAD_CHUNK // (len(b) * GRAD_DIM))
         local_sq, global_sq = [], []
         for start in range(0, steps, chunk):
-            noise = rng.standard_normal((min(chunk, steps - start), len(b), GRAD_DIM))
+            noise = rng.standard_normal((min(chunk, steps - start), len(b), GRAD_DIM),
+                                        dtype=np.float32)
             local = mean + noise * scale
-            local_sq.append((local ** 2).sum(axis=2))
-            global_sq.append((np.einsum("i,sid->sd", weights, local) ** 2).sum(axis=1))
+            local_sq.append((local ** 2).sum(axis=2, dtype=np.float64))
+            global_sq.append((np.einsum("i,sid->sd", weights, local) ** 2).sum(
+                axis=1, dtype=np.float64))
         return np.concatenate(local_sq), np.concatenate(global_sq)
 
     # --- linearised views (the oracle and `cannikin plan`) ------------------------------
