@@ -273,3 +273,14 @@ def test_plan_cli_example_cluster(capsys) -> None:
     assert _cli(["plan", "--cluster", str(example), "--batch", "1024"]) == 0
     out = capsys.readouterr().out
     assert "predicted step time" in out and out.count("A100") >= 4
+
+
+def test_cannikin_matches_adaptdl_when_homogeneous_and_wins_when_not() -> None:
+    wl = short("bert-base-squad", epochs=0.5)
+    cfg = SimConfig(seed=0)
+    homo = compare(ClusterSpec(devices=("V100",) * 4), wl, cfg, ("adaptdl", "cannikin")).summary()
+    ratio = homo["cannikin"]["time_to_target_s"] / homo["adaptdl"]["time_to_target_s"]
+    assert ratio == pytest.approx(1.0, abs=0.05)
+    hetero = compare(SMALL, wl, cfg, ("adaptdl", "cannikin", "oracle")).summary()
+    assert hetero["cannikin"]["time_to_target_s"] < 0.8 * hetero["adaptdl"]["time_to_target_s"]
+    assert hetero["cannikin"]["ratio_to_oracle"] < 1.15
