@@ -89,6 +89,8 @@ def checked_arrays(cluster: ClusterModel) -> ClusterArrays:
 
 def _per_worker(values: FloatArray, like: FloatArray) -> FloatArray:
     """Reshape per-worker ``values`` (n,) or (n, m) to broadcast against ``like[..., None]``."""
+    if like.ndim == 1:
+        return values
     extra = (1,) * (like.ndim - 1)
     shape = (values.shape[0], *extra, values.shape[1]) if values.ndim == 2 else (
         values.shape[0], *extra)
@@ -105,8 +107,7 @@ def _times(arr: ClusterArrays, batches: FloatArray) -> FloatArray:
 def _supply(arr: ClusterArrays, t: FloatArray) -> FloatArray:
     """``clip(beta_i(t_i), lo_i, hi_i)``: what worker i can take by time t; t is (n,) or (n, k)."""
     offsets, slopes = _per_worker(arr.offsets, t), _per_worker(arr.slopes, t)
-    with np.errstate(invalid="ignore"):
-        beta = np.min((t[..., None] - offsets) / slopes, axis=-1)
+    beta = np.min((t[..., None] - offsets) / slopes, axis=-1)
     result: FloatArray = np.clip(beta, _per_worker(arr.lo, t), _per_worker(arr.hi, t))
     return result
 
@@ -145,8 +146,8 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
         cross_t = np.where(inside, _times(arr, cross), np.inf)
         columns.append(cross_t)
     cand = np.sort(np.concatenate(columns, axis=1), axis=1)
-    value = _supply(arr, cand)
     finite = np.isfinite(cand)
+    value = _supply(arr, np.where(finite, cand, 0.0))  # values past the last kink unused
     final = np.where(np.isinf(arr.hi), 1.0 / np.max(arr.slopes, axis=1), 0.0)
     both = finite[:, :-1] & finite[:, 1:]
     with np.errstate(invalid="ignore", divide="ignore"):
