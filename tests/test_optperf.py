@@ -221,6 +221,33 @@ def test_large_cluster_matches_lp() -> None:
     assert bound <= plan.step_time <= bound + float(cluster.arrays.slopes.max())
 
 
+def test_extreme_magnitudes() -> None:
+    """Slopes and offsets over 12 orders of magnitude (1e-9 s/sample next to 1e3 s): float
+    rounding in inverting tau must neither lose a sample nor break the bounds."""
+    rng = np.random.default_rng(9)
+    for _ in range(300):
+        n, m = int(rng.integers(1, 40)), int(rng.integers(1, 5))
+        nodes = []
+        for _ in range(n):
+            lo = int(rng.integers(0, 3))
+            hi = int(lo + rng.integers(1, 10 ** int(rng.integers(1, 5)))) if rng.random() < 0.6 \
+                else None
+            nodes.append(NodeModel(
+                fwd=(float(10 ** rng.uniform(-9, 3)), float(10 ** rng.uniform(-9, 3))),
+                bwd=(float(10 ** rng.uniform(-9, 3)), float(10 ** rng.uniform(-9, 3))),
+                min_batch=lo, max_batch=hi))
+        rho = [*np.sort(rng.uniform(0, 1, m - 1)).tolist(), 1.0]
+        cluster = ClusterModel(nodes=nodes, comm=CommModel(
+            buckets=[(r, float(10 ** rng.uniform(-6, 2))) for r in rho]))
+        lo_sum, hi_sum = bounds(cluster, 10**7)
+        total = int(rng.integers(lo_sum, min(hi_sum, lo_sum + 10 ** int(rng.integers(1, 6))) + 1))
+        plan = optimal_split(cluster, total)
+        assert sum(plan.local_batches) == total and within_bounds(cluster, plan.local_batches)
+        bound = step_time_curve(cluster)(total)
+        assert bound * (1 - 1e-9) <= plan.step_time
+        assert plan.step_time <= bound + float(cluster.arrays.slopes.max()) + 1e-9 * bound
+
+
 def test_deterministic() -> None:
     rng = np.random.default_rng(7)
     cluster = random_cluster(rng, 50, 2)

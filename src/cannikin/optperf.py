@@ -161,10 +161,15 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
     delta = (after - before)[finite]
     order = np.argsort(times, kind="stable")
     times, delta = times[order], delta[order]
-    slope_after = np.cumsum(delta)
-    supply = float(np.sum(arr.lo)) + np.concatenate(
-        [[0.0], np.cumsum(slope_after[:-1] * np.diff(times))]
-    )
+    # Slope changes of +-1/a for a fast worker dwarf the others; summing them in extended
+    # precision (where the platform has it) keeps the small slopes between them accurate.
+    wide = np.cumsum(delta.astype(np.longdouble))
+    wide[-1] = np.sum(final)  # exact: the uncapped workers' asymptotic slopes
+    wide = np.maximum(wide, 0)
+    supply = (float(np.sum(arr.lo)) + np.concatenate(
+        [[0.0], np.cumsum(wide[:-1] * np.diff(times).astype(np.longdouble))]
+    )).astype(np.float64)
+    slope_after = wide.astype(np.float64)
     return _Breakpoints(times=times, supply=supply, slope_after=slope_after,
                         t_min=float(np.max(lo_t)))
 
@@ -253,6 +258,9 @@ def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
     room = _supply(arr, np.full(base.size, bound))
     fits = np.floor(room + 1e-9 * np.maximum(np.abs(room), 1.0)) - base
     counts = np.clip(fits, 0, arr.hi - base).astype(np.int64)
+    # Inverting tau loses digits when a slope is tiny next to the offset: never drop a
+    # first sample known to finish by the bound (so at least ``remaining`` are listed).
+    counts = np.maximum(counts, first <= bound)
     worker = np.repeat(np.arange(base.size), counts)
     step = np.arange(worker.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
     finish = np.max(arr.offsets[worker] + arr.slopes[worker] * (base[worker] + step)[:, None],
