@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from cannikin.demo.launch import LaunchError, run_local, torchrun_command, worker_env
+from cannikin.demo.launch import (
+    LaunchError,
+    failure_excerpt,
+    run_local,
+    torchrun_command,
+    worker_env,
+)
 
 TESTS = Path(__file__).resolve().parent
 
@@ -56,3 +62,13 @@ def test_hung_workers_are_killed_at_the_timeout(tmp_path: Path) -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+
+
+def test_failure_excerpt_shows_the_first_traceback(tmp_path: Path) -> None:
+    log = tmp_path / "workers.log"
+    log.write_text("noise\nTraceback (most recent call last):\n  File x\nValueError: bad\n"
+                   "summary\nTraceback (most recent call last):\nOther: later\n")
+    assert failure_excerpt(log) == "Traceback (most recent call last):\n  File x\nValueError: bad"
+    log.write_text("".join(f"line {i}\n" for i in range(40)))
+    assert failure_excerpt(log, lines=3) == "line 37\nline 38\nline 39"
+    assert failure_excerpt(tmp_path / "missing.log") == ""

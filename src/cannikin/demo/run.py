@@ -49,7 +49,7 @@ def run_demo(
             bar.update(metrics.read_new())
             if config.verbose:
                 for line in log_lines.read_new():
-                    bar.console.print(line, markup=False, highlight=False)
+                    bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
         run_local(command, env=env, log_path=out_dir / files.WORKER_LOG, timeout_s=timeout_s,
                   on_poll=poll)
