@@ -134,6 +134,7 @@ def _train_phase(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -142,7 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     ctx = init_distributed()
     setup_logging(ctx.rank, config.verbose)
+    logger.info("process group ready after %.1f s of start-up", time.perf_counter() - started)
     data = load_digits_split(config.seed)
+    logger.info("digits loaded: %d training, %d held-out images", len(data.train),
+                len(data.test_y))
     for phase, split in PHASES:
         _train_phase(config, ctx, data, phase, split, args.out)
     destroy_distributed()
