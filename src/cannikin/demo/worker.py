@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cannikin.demo import files
+from cannikin.demo import digits, files
 from cannikin.demo.config import DemoConfig
 from cannikin.demo.data import DigitsSplit, load_digits_split
 from cannikin.demo.metrics import JsonlSink
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = init_distributed()
     setup_logging(ctx.rank, config.verbose)
     logger.info("process group ready %.1f s after the imports", time.perf_counter() - started)
-    data = load_digits_split(config.seed)
+    data = load_digits_split(args.out / digits.FILE)
     logger.info("digits loaded: %d training, %d held-out images", len(data.train),
                 len(data.test_y))
     for phase, split in PHASES:
