@@ -31,6 +31,12 @@ _EXPORTS: dict[str, str] = {
     "Preconditioner": "cannikin.runtime.precondition",
     "HeteroDataParallel": "cannikin.runtime",
     "HeteroDataLoader": "cannikin.runtime",
+    "DistContext": "cannikin.runtime.distributed",
+    "init_distributed": "cannikin.runtime.distributed",
+    "UnevenSampler": "cannikin.runtime.sampler",
+    "install_slowdown": "cannikin.runtime.emulate",
+    "CheckpointManager": "cannikin.runtime.checkpoint",
+    "CheckpointError": "cannikin.runtime.checkpoint",
 }
 _SUBMODULES = ("perf", "optperf", "goodput", "gns", "scaling", "runtime", "sim")
 

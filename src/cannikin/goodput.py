@@ -4,9 +4,14 @@ A larger total batch B finishes an epoch in fewer, longer steps but makes less p
 per sample: with gradient noise scale ``phi`` (per-sample ``tr(Sigma) / |G|^2``) the
 statistical efficiency relative to the initial batch ``B0`` is
 ``E(B) = (phi + B0) / (phi + B)``, and ``goodput(B) = B * E(B) / T*(B)`` with ``T*`` the
-OptPerf step time. ``T*`` is piecewise linear in B, and on a piece ``T = p + q*B`` the
-goodput ``~ B / ((phi + B)(p + q*B))`` peaks at ``B = sqrt(phi*p/q)``, so the exact
-maximiser is among those per-piece peaks (clipped to their pieces): no grid.
+OptPerf step time. No grid: the continuous ``T*`` is piecewise linear in B, and on a
+piece ``T = p + q*B`` the goodput ``~ B / ((phi + B)(p + q*B))`` peaks at
+``B = sqrt(phi*p/q)``. The best per-piece peaks, split in integers, give a goodput that
+the integer maximiser must reach; since integer step times are never below the
+continuous ones, the maximiser lies where the continuous goodput reaches it too (a
+quadratic inequality per piece), and every integer total there is evaluated exactly
+with one sort (:meth:`~cannikin.optperf.Splitter.step_times`). Cost O(n log n) plus that
+range, which is narrow except on very flat goodput curves (capped at ``MAX_SCAN``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ logger = logging.getLogger(__name__)
 _SEEDS = 2
 # Relative slack on that bound so rounding cannot exclude the true maximiser.
 _REACH_SLACK = 1e-9
+# At most this many integer totals are evaluated; a wider candidate range (a goodput
+# curve flat to ~1e-9, e.g. B up to 1e9 with infinite noise) is scanned around the best
+# peak, which is then within one sample's cost of the exact maximiser rather than exact.
+MAX_SCAN = 1 << 18
 
 
 def _check_noise_scale(noise_scale: float) -> float:
@@ -161,8 +170,8 @@ def choose_batch_size(
         raise ValueError(f"max_batch={max_batch!r} must be an integer >= init_batch={init_batch}")
     if current is not None and not _is_int(current):
         raise ValueError(f"current={current!r} must be None or an integer total batch")
-    if not (math.isfinite(float(min_gain)) and min_gain >= 0):
-        raise ValueError(f"min_gain={min_gain!r} must be finite and >= 0")
+    if not float(min_gain) >= 0:
+        raise ValueError(f"min_gain={min_gain!r} must be >= 0 (inf: never move from current)")
     splitter = Splitter(cluster)
     curve = splitter.curve
     lo = max(int(init_batch), math.ceil(curve.min_total))
@@ -183,6 +192,12 @@ def choose_batch_size(
     floor = max(c.goodput for c in seeds) * (1.0 - _REACH_SLACK)
     first, last = _reach(pieces, phi, init_batch, floor)
     first, last = max(lo, math.floor(first) - 1), min(hi, math.ceil(last) + 1)
+    if last - first + 1 > MAX_SCAN:
+        logger.debug("goodput is flat over [%d, %d]: scanning %d totals around the peak",
+                     first, last, MAX_SCAN)
+        centre = max(seeds, key=lambda c: c.goodput).total_batch
+        start = min(max(first, centre - MAX_SCAN // 2), last - MAX_SCAN + 1)
+        first, last = start, start + MAX_SCAN - 1
     batch = np.arange(first, last + 1, dtype=np.float64)
     goodput = batch * _efficiency(batch, init_batch, phi) / splitter.step_times(first, last)
     best = _choice(splitter.split(first + int(np.argmax(goodput))), init_batch, phi)

@@ -87,25 +87,27 @@ def checked_arrays(cluster: ClusterModel) -> ClusterArrays:
     return arr
 
 
+def _per_worker(values: FloatArray, like: FloatArray) -> FloatArray:
+    """Reshape per-worker ``values`` (n,) or (n, m) to broadcast against ``like[..., None]``."""
+    extra = (1,) * (like.ndim - 1)
+    shape = (values.shape[0], *extra, values.shape[1]) if values.ndim == 2 else (
+        values.shape[0], *extra)
+    return values.reshape(shape)
+
+
 def _times(arr: ClusterArrays, batches: FloatArray) -> FloatArray:
-    """``tau_i(batches_i)`` for every worker; ``batches`` shape (n,) or (n, k)."""
-    b = batches[..., None] if batches.ndim == 2 else batches[:, None]
-    offsets = arr.offsets[:, None, :] if batches.ndim == 2 else arr.offsets
-    slopes = arr.slopes[:, None, :] if batches.ndim == 2 else arr.slopes
-    result: FloatArray = np.max(offsets + slopes * b, axis=-1)
+    """``tau_i(batches_i)``: worker i's finishing time; ``batches`` has shape (n,) or (n, k)."""
+    offsets, slopes = _per_worker(arr.offsets, batches), _per_worker(arr.slopes, batches)
+    result: FloatArray = np.max(offsets + slopes * batches[..., None], axis=-1)
     return result
 
 
 def _supply(arr: ClusterArrays, t: FloatArray) -> FloatArray:
-    """``clip(beta_i(t_i), lo_i, hi_i)``: what each worker can take by time t (shape like t)."""
-    tt = t[..., None]
-    offsets = arr.offsets[:, None, :] if t.ndim == 2 else arr.offsets
-    slopes = arr.slopes[:, None, :] if t.ndim == 2 else arr.slopes
+    """``clip(beta_i(t_i), lo_i, hi_i)``: what worker i can take by time t; t is (n,) or (n, k)."""
+    offsets, slopes = _per_worker(arr.offsets, t), _per_worker(arr.slopes, t)
     with np.errstate(invalid="ignore"):
-        beta = np.min((tt - offsets) / slopes, axis=-1)
-    lo = arr.lo[:, None] if t.ndim == 2 else arr.lo
-    hi = arr.hi[:, None] if t.ndim == 2 else arr.hi
-    result: FloatArray = np.clip(beta, lo, hi)
+        beta = np.min((t[..., None] - offsets) / slopes, axis=-1)
+    result: FloatArray = np.clip(beta, _per_worker(arr.lo, t), _per_worker(arr.hi, t))
     return result
 
 
@@ -120,13 +122,21 @@ class _Breakpoints:
 
 
 def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
+    """Sort every worker's kinks of ``clip(beta_i)`` and sweep ``S(t)`` across them.
+
+    Worker i's kinks are at ``tau_i(lo_i)``, ``tau_i(hi_i)`` and ``tau_i`` where two
+    consecutive binding buckets' lines cross inside ``(lo_i, hi_i)``. Between its own
+    kinks its supply is linear, so its slope changes only there; the sweep adds up those
+    changes in time order and integrates. O(n m' log(n m')) for m' binding buckets.
+    """
     n, m = arr.slopes.shape
     lo_t = _times(arr, arr.lo)
     capped = np.isfinite(arr.hi)
     hi_t = np.where(capped, _times(arr, np.where(capped, arr.hi, arr.lo)), np.inf)
     columns = [lo_t[:, None], hi_t[:, None]]
     if m > 1:
-        j, k = np.triu_indices(m, k=1)
+        j = np.arange(m - 1)
+        k = j + 1
         da = arr.slopes[:, j] - arr.slopes[:, k]
         with np.errstate(divide="ignore", invalid="ignore"):
             cross = (arr.offsets[:, k] - arr.offsets[:, j]) / da
@@ -175,7 +185,7 @@ def _curve(arr: ClusterArrays, bp: _Breakpoints) -> StepTimeCurve:
 
 
 def step_time_curve(cluster: ClusterModel) -> StepTimeCurve:
-    """``T*(B)``, the continuous optimum, for every feasible B at once (O(n m^2 log n))."""
+    """``T*(B)``, the continuous optimum, for every feasible B at once (O(n m log(n m)))."""
     arr = checked_arrays(cluster)
     return _curve(arr, _breakpoints(arr))
 
@@ -190,11 +200,9 @@ def _check_total(arr: ClusterArrays, total_batch: int) -> None:
             f"valid: {lo:g} <= total_batch <= {hi:g}"
         )
     if total_batch > hi:
-        worst = int(np.argmin(arr.hi))
         raise ValueError(
-            f"total_batch={total_batch} exceeds the sum of the workers' max_batch ({hi:g}; "
-            f"smallest cap {arr.hi[worst]:g} on node {worst}); valid: {lo:g} <= total_batch "
-            f"<= {hi:g}"
+            f"total_batch={total_batch} exceeds the sum of the workers' max_batch ({hi:g}); "
+            f"valid: {lo:g} <= total_batch <= {hi:g}"
         )
 
 
@@ -236,7 +244,7 @@ def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
     """
     if remaining <= 0:
         return base
-    first = np.where(base + 1 <= arr.hi, _times(arr, base + 1.0), np.inf)
+    first = np.where(base + 1 <= arr.hi, _times(arr, (base + 1).astype(np.float64)), np.inf)
     order = np.argsort(first, kind="stable")
     if remaining > first.size or not math.isfinite(float(first[order[remaining - 1]])):
         return _hand_out_heap(arr, base, remaining)
@@ -256,7 +264,7 @@ def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
 def _hand_out_heap(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
     """:func:`_hand_out` one sample at a time (for large remainders, after float slack)."""
     result = base.copy()
-    first = np.where(base + 1 <= arr.hi, _times(arr, base + 1.0), np.inf)
+    first = np.where(base + 1 <= arr.hi, _times(arr, (base + 1).astype(np.float64)), np.inf)
     heap = [(float(v), i) for i, v in enumerate(first.tolist()) if math.isfinite(v)]
     heapq.heapify(heap)
     for _ in range(remaining):
