@@ -102,7 +102,8 @@ def test_table_shows_both_runs_and_the_ideal(report: dict[str, Any]) -> None:
     assert rows["throughput, samples/s"] == ("52", "105 (2.00x)", "ideal 122")
     assert rows["local batches"][:2] == ("7 7 7", "3 6 12")
     assert rows["predicted/measured ms"][1] == "220.0 / 200.0"
-    assert rows["every sample once"][1:] == ("1/1 epochs", "30 per epoch")
+    assert rows["epochs, all samples"][1:] == ("1/1", "30 per epoch")
+    assert rows["samples used twice"][:2] == ("0", "0")
     console = Console(record=True, width=140)
     console.print(render_table(report))
     assert "Cannikin" in console.export_text()

@@ -142,9 +142,12 @@ def table_rows(report: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
     def step_times(phase: Mapping[str, Any]) -> str:
         return f"{_ms(phase['predicted_step_time_s'])} / {_ms(phase['measured_step_time_s'])}"
 
-    def coverage(phase: Mapping[str, Any]) -> str:
+    def complete(phase: Mapping[str, Any]) -> str:
         seen = phase["samples_seen_per_epoch"]
-        return f"{sum(1 for s in seen if s == n)}/{len(seen)} epochs"
+        return f"{sum(1 for s in seen if s == n)}/{len(seen)}"
+
+    def repeated(phase: Mapping[str, Any]) -> str:
+        return str(sum(phase["repeated_samples_per_epoch"]))
 
     return [
         ("throughput, samples/s", f"{even['throughput']:.0f}",
@@ -162,7 +165,8 @@ def table_rows(report: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
         ("final training loss", f"{even['final_loss']:.3f}", f"{can['final_loss']:.3f}", ""),
         ("held-out accuracy", _pct(even["accuracy"]), _pct(can["accuracy"]),
          f"{report['test_size']} images"),
-        ("every sample once", coverage(even), coverage(can), f"{n} per epoch"),
+        ("epochs, all samples", complete(even), complete(can), f"{n} per epoch"),
+        ("samples used twice", repeated(even), repeated(can), "exactly once"),
     ]
 
 
