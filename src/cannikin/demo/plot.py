@@ -57,6 +57,9 @@ def write_plot(
     for rank, speed in enumerate(speeds):
         ax_split.plot(steps, [r["local_batches"][rank] for r in plans], lw=2,
                       color=palette((rank + 2) % 10), label=f"worker {rank} (speed {speed:g})")
+    if report["adaptive_batch"]:
+        ax_split.plot(steps, [r["total_batch"] for r in plans], color="black", ls=":", lw=1.5,
+                      label="total batch (chosen by goodput)")
     even_plans = _phase(records, "even", "plan")
     ax_split.plot([r["step"] for r in even_plans],
                   [sum(r["local_batches"]) / len(speeds) for r in even_plans],
