@@ -1,6 +1,8 @@
 """init_distributed: single process in-process, and real gloo jobs under torchrun."""
 
 import socket
+import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch.distributed as dist
 
 from cannikin.runtime.distributed import (
     DistContext,
+    _agree_on_generation,
     destroy_distributed,
     free_port,
     init_distributed,
@@ -21,6 +24,42 @@ def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def agree(store: dist.Store, world_size: int, ranks: list[int],
+          timeout_s: float = 10.0) -> dict[int, int | BaseException]:
+    """Run _agree_on_generation for ``ranks`` in threads, followers first."""
+    results: dict[int, int | BaseException] = {}
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = _agree_on_generation(store, rank, world_size,
+                                                 timedelta(seconds=timeout_s))
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            results[rank] = error
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in sorted(ranks, reverse=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def test_generations_agree_despite_stale_keys_of_earlier_ones() -> None:
+    store = dist.HashStore()
+    first = agree(store, 3, [0, 1, 2])
+    assert set(first.values()) == {1}
+    # a restarted, smaller group on the same store: rank 1's old join token is still there
+    second = agree(store, 2, [0, 1])
+    assert set(second.values()) == {2}
+
+
+def test_generation_leader_names_missing_ranks() -> None:
+    store = dist.HashStore()
+    result = agree(store, 3, [0, 2], timeout_s=0.5)
+    assert isinstance(result[0], RuntimeError)
+    assert "ranks [1] did not join process-group generation 1 within 0.5 s" in str(result[0])
 
 
 def test_single_process_without_launcher() -> None:
