@@ -17,11 +17,18 @@ _EXPORTS: dict[str, str] = {
     "NodeModel": "cannikin.perf",
     "CommModel": "cannikin.perf",
     "ClusterModel": "cannikin.perf",
+    "NodeFitter": "cannikin.perf",
+    "CommFitter": "cannikin.perf",
+    "PredictionTracker": "cannikin.perf",
     "Plan": "cannikin.optperf",
     "optimal_split": "cannikin.optperf",
     "efficiency": "cannikin.goodput",
     "choose_batch_size": "cannikin.goodput",
     "BatchChoice": "cannikin.goodput",
+    "NoiseScaleTracker": "cannikin.gns",
+    "LRScaler": "cannikin.scaling",
+    "adascale_gain": "cannikin.scaling",
+    "Preconditioner": "cannikin.runtime.precondition",
     "HeteroDataParallel": "cannikin.runtime",
     "HeteroDataLoader": "cannikin.runtime",
     "DistContext": "cannikin.runtime.distributed",
@@ -35,11 +42,21 @@ _SUBMODULES = ("perf", "optperf", "goodput", "gns", "scaling", "runtime", "sim")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
-if TYPE_CHECKING:
-    from cannikin.goodput import BatchChoice, choose_batch_size, efficiency
-    from cannikin.optperf import Plan, optimal_split
-    from cannikin.perf import ClusterModel, CommModel, NodeModel
-    from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+if TYPE_CHECKING:  # names for type checkers; at run time __getattr__ loads them lazily
+    from cannikin.gns import NoiseScaleTracker  # noqa: F401
+    from cannikin.goodput import BatchChoice, choose_batch_size, efficiency  # noqa: F401
+    from cannikin.optperf import Plan, optimal_split  # noqa: F401
+    from cannikin.perf import (  # noqa: F401
+        ClusterModel,
+        CommFitter,
+        CommModel,
+        NodeFitter,
+        NodeModel,
+        PredictionTracker,
+    )
+    from cannikin.runtime import HeteroDataLoader, HeteroDataParallel  # noqa: F401
+    from cannikin.runtime.precondition import Preconditioner  # noqa: F401
+    from cannikin.scaling import LRScaler, adascale_gain  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,139 @@
+"""Planner cost and quality (DESIGN.md §7): prints figures, asserts nothing.
+
+    python benchmarks/bench_planner.py [--clusters 1000] [--seed 0]
+
+Cost: ``optimal_split`` per call at n = 16, 256, 1024 workers (2 buckets), with the
+cluster's arrays cached (the planner re-splitting one model) and from a fresh
+``ClusterModel`` (a new model after a re-fit); ``choose_batch_size`` per call at n = 16
+and 1024. Quality over random clusters: the integer split's step time against the LP
+lower bound of §2 (solved independently by scipy's HiGHS) and against the even and
+throughput-proportional splits. Timings on a shared machine are noisy: the best of
+several repeats is reported next to the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import timeit
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import linprog
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from cannikin.goodput import choose_batch_size  # noqa: E402
+from cannikin.optperf import even_split, optimal_split, proportional_split  # noqa: E402
+from cannikin.perf import ClusterModel, CommModel, NodeModel  # noqa: E402
+
+# Relative per-sample speed and memory (max local batch) of a few GPU kinds, roughly
+# A100 : V100 : T4 : K80 for a ResNet-50-sized model; intercepts are per-step overheads.
+DEVICES = [(1.0, 256), (1.8, 128), (3.5, 96), (6.0, 64)]
+
+
+def random_cluster(rng: np.random.Generator, n: int) -> ClusterModel:
+    nodes = []
+    for i in range(n):
+        slow, cap = DEVICES[int(rng.integers(len(DEVICES)))]
+        slow *= float(rng.uniform(0.9, 1.1))
+        nodes.append(NodeModel(
+            fwd=(float(rng.uniform(0.002, 0.01)), slow * 4e-4),
+            bwd=(float(rng.uniform(0.002, 0.01)), slow * 8e-4),
+            max_batch=cap, min_batch=1, name=f"w{i}",
+        ))
+    comm = CommModel(buckets=[(float(rng.uniform(0.1, 0.5)), float(rng.uniform(0.005, 0.05))),
+                              (1.0, float(rng.uniform(0.001, 0.01)))])
+    return ClusterModel(nodes=nodes, comm=comm)
+
+
+def lp_bound(cluster: ClusterModel, total: int) -> float:
+    arr = cluster.arrays
+    n, m = arr.slopes.shape
+    a_ub = np.zeros((n * m, n + 1))
+    for i in range(n):
+        a_ub[i * m:(i + 1) * m, i] = arr.slopes[i]
+    a_ub[:, n] = -1.0
+    bounds = [(float(lo), float(hi)) for lo, hi in zip(arr.lo, arr.hi, strict=True)]
+    res = linprog(np.r_[np.zeros(n), 1.0], A_ub=a_ub, b_ub=-arr.offsets.reshape(-1),
+                  A_eq=np.r_[np.ones(n), 0.0][None, :], b_eq=[total],
+                  bounds=[*bounds, (None, None)], method="highs")
+    if res.status != 0:
+        raise RuntimeError(res.message)
+    return float(res.fun)
+
+
+def per_call_ms(fn: object, number: int, repeat: int = 7) -> tuple[float, float]:
+    times = [t / number * 1e3 for t in timeit.repeat(fn, number=number, repeat=repeat)]  # type: ignore[arg-type]
+    return min(times), statistics.median(times)
+
+
+def bench_cost(rng: np.random.Generator) -> None:
+    print("cost per call (ms): best / median of 7 repeats")
+    for n in (16, 256, 1024):
+        cluster = random_cluster(rng, n)
+        total = 32 * n
+        number = max(5, 4000 // n)
+        cached = per_call_ms(lambda c=cluster, b=total: optimal_split(c, b), number)
+        fresh = per_call_ms(
+            lambda c=cluster, b=total: optimal_split(ClusterModel(nodes=c.nodes, comm=c.comm), b),
+            number)
+        print(f"  optimal_split      n={n:5d}: {cached[0]:7.3f} / {cached[1]:7.3f}   "
+              f"(fresh ClusterModel: {fresh[0]:7.3f} / {fresh[1]:7.3f})")
+    many = random_cluster(rng, 1024)
+    rho = [*np.sort(rng.uniform(0.05, 1, 29)).tolist(), 1.0]
+    many = ClusterModel(nodes=many.nodes, comm=CommModel(
+        buckets=[(r, float(rng.uniform(5e-4, 5e-3))) for r in rho]))
+    cost = per_call_ms(lambda: optimal_split(many, 32 * 1024), 5)
+    print(f"  optimal_split      n= 1024, 30 buckets ({len(many.comm.binding())} can bind): "
+          f"{cost[0]:7.3f} / {cost[1]:7.3f}")
+    for n in (16, 1024):
+        cluster = random_cluster(rng, n)
+        number = max(3, 1000 // n)
+        for phi in (2000.0, float("inf")):
+            cost = per_call_ms(
+                lambda c=cluster, k=n, p=phi: choose_batch_size(c, p, 8 * k, 128 * k), number)
+            print(f"  choose_batch_size  n={n:5d}: {cost[0]:7.3f} / {cost[1]:7.3f}   "
+                  f"(B in [{8 * n}, {128 * n}], noise scale {phi:g})")
+
+
+def bench_quality(rng: np.random.Generator, count: int) -> None:
+    to_lp, gain_even, gain_prop = [], [], []
+    infeasible_even = 0
+    for _ in range(count):
+        n = int(rng.integers(2, 65))
+        cluster = random_cluster(rng, n)
+        cap = sum(node.max_batch or 0 for node in cluster.nodes)
+        total = int(rng.integers(n, int(0.8 * cap) + 1))
+        plan = optimal_split(cluster, total)
+        to_lp.append(plan.step_time / lp_bound(cluster, total))
+        even = even_split(cluster, total)
+        caps = [node.max_batch or 0 for node in cluster.nodes]
+        if all(b <= c for b, c in zip(even.local_batches, caps, strict=True)):
+            gain_even.append(even.step_time / plan.step_time)
+        else:
+            infeasible_even += 1
+        gain_prop.append(proportional_split(cluster, total).step_time / plan.step_time)
+    print(f"quality over {count} random clusters (n = 2..64, 2 buckets, B up to 80% of caps)")
+    print(f"  step time / LP lower bound: median {np.median(to_lp):.5f}, "
+          f"max {np.max(to_lp):.5f}, min {np.min(to_lp):.5f}")
+    print(f"  even split / optimal:  median {np.median(gain_even):.3f}x, "
+          f"max {np.max(gain_even):.3f}x (even split over a memory cap in {infeasible_even} "
+          "clusters, left out)")
+    print(f"  proportional split / optimal (caps ignored): median {np.median(gain_prop):.3f}x, "
+          f"max {np.max(gain_prop):.3f}x, min {np.min(gain_prop):.3f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clusters", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = np.random.default_rng(args.seed)
+    bench_cost(rng)
+    bench_quality(rng, args.clusters)
+
+
+if __name__ == "__main__":
+    main()

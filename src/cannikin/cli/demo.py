@@ -1,0 +1,161 @@
+"""``cannikin demo``: train a small CNN on a local emulated heterogeneous cluster, first with
+the even split of plain DDP and then with Cannikin, and compare them side by side.
+
+Bad input (an unknown option, speeds that do not match the worker count, a speed that is not
+positive, more workers than the machine holds, an output path that cannot be written) is
+reported in one line with exit status 2 before any worker starts. A failed or timed-out run
+exits with status 1 and names the log to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DEFAULT_EPOCHS = 4
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not valid: it must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not valid: it must be a positive number")
+    return value
+
+
+def _speeds(text: str) -> tuple[float, ...]:
+    """Comma-separated worker speeds, e.g. ``1,2,4``."""
+    parts = [p.strip() for p in text.split(",")]
+    speeds = []
+    for part in parts:
+        try:
+            speed = float(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} in {text!r} is not a number: give comma-separated positive speeds "
+                "such as 1,2,4"
+            ) from None
+        if not (math.isfinite(speed) and speed > 0):
+            raise argparse.ArgumentTypeError(
+                f"speed {part} in {text!r} is not valid: every speed must be a positive number"
+            )
+        speeds.append(speed)
+    return tuple(speeds)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo", help="the main job: a local emulated heterogeneous cluster, trained for real",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--workers", type=_positive_int,
+                        help="number of workers (default 4, or one per --speeds value)")
+    parser.add_argument("--speeds", type=_speeds,
+                        help="comma-separated relative worker speeds, e.g. 1,2,4 (default for 4 "
+                             "workers: 1,1,2,4; for n workers 2**floor(2i/(n-1)))")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=_positive_int,
+                        help=f"passes over the training split (default {DEFAULT_EPOCHS})")
+    length.add_argument("--steps", type=_positive_int,
+                        help="train for this many baseline steps (steps x batch-size samples)")
+    parser.add_argument("--batch-size", type=_positive_int, default=64,
+                        help="initial total batch size B0 (default 64)")
+    batch = parser.add_mutually_exclusive_group()
+    batch.add_argument("--adaptive-batch", dest="adaptive_batch", action="store_true",
+                       help="let Cannikin also choose the total batch size by goodput")
+    batch.add_argument("--fixed-batch", dest="adaptive_batch", action="store_false",
+                       help="keep the total batch at --batch-size; only the split adapts "
+                            "(default)")
+    parser.set_defaults(adaptive_batch=False)
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG figure")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="keep the workers' logs and metrics here (default: a temporary "
+                             "directory, removed after a successful run)")
+    parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S,
+                        metavar="SECONDS", help=f"hard limit on the run (default "
+                                                f"{DEFAULT_TIMEOUT_S:g} s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no live progress bars")
+    parser.add_argument("--verbose", action="store_true", help="show the workers' logs")
+    parser.set_defaults(func=_run, parser=parser)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    """The validated DemoConfig, or a usage error (exit 2) naming what is wrong."""
+    from cannikin.demo.config import DEFAULT_WORKERS, DemoConfig, default_speeds
+
+    parser: argparse.ArgumentParser = args.parser
+    if args.speeds is not None and args.workers is not None and len(args.speeds) != args.workers:
+        parser.error(
+            f"--speeds has {len(args.speeds)} values ({','.join(f'{s:g}' for s in args.speeds)}) "
+            f"but --workers is {args.workers}: give one speed per worker"
+        )
+    speeds = args.speeds or default_speeds(args.workers or DEFAULT_WORKERS)
+    for option in ("json", "plot"):
+        path: Path | None = getattr(args, option)
+        if path is not None and not path.resolve().parent.is_dir():
+            parser.error(f"--{option} {path}: directory {path.resolve().parent} does not exist")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory")
+    epochs = args.epochs if args.epochs is not None or args.steps is not None else DEFAULT_EPOCHS
+    try:
+        return DemoConfig(
+            speeds=speeds, epochs=epochs, steps=args.steps, batch_size=args.batch_size,
+            adaptive_batch=args.adaptive_batch, seed=args.seed, verbose=args.verbose,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = _config(args)
+    from rich.console import Console
+
+    from cannikin.demo import files
+    from cannikin.demo.launch import LaunchError, log_tail
+    from cannikin.demo.report import render_table
+    from cannikin.demo.run import run_demo
+    from cannikin.log import setup_logging
+
+    setup_logging(0, args.verbose)
+    err = Console(stderr=True)
+    out_dir = args.out or Path(tempfile.mkdtemp(prefix="cannikin-demo-"))
+    try:
+        report = run_demo(config, out_dir=out_dir, timeout_s=args.timeout, console=err,
+                          show_progress=args.progress, plot_path=args.plot)
+    except LaunchError as error:
+        tail = log_tail(out_dir / files.WORKER_LOG)
+        if tail:
+            err.print(tail, markup=False, highlight=False)
+        print(f"cannikin demo: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"cannikin demo: interrupted; logs are in {out_dir}", file=sys.stderr)
+        return 130
+    Console().print(render_table(report))
+    print(f"wall time {report['wall_s']:.1f} s (start-up, both runs and evaluation)")
+    if args.json is not None:
+        files.write_json(args.json, report)
+    if args.out is None:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return 0

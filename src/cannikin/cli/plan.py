@@ -1,0 +1,73 @@
+"""``cannikin plan``: the optimal split of a total batch over a described cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from cannikin.log import setup_logging
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan", help="print the optimal split of a batch for a cluster description",
+        description=__doc__.splitlines()[0])
+    p.add_argument("--cluster", required=True,
+                   help="cluster TOML file (same format as `cannikin simulate`) or a "
+                        "built-in scenario name")
+    p.add_argument("--batch", type=int, required=True, help="total batch size to split")
+    p.add_argument("--workload", default="resnet50-imagenet",
+                   help="workload whose profile sets each device's speed "
+                        "(default: resnet50-imagenet)")
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(0, False)
+    import numpy as np
+
+    from cannikin.optperf import optimal_split
+    from cannikin.sim import GroundTruth, cluster_from_arg, device, workload
+    from cannikin.sim.policies import proportional_split
+
+    try:
+        spec = cluster_from_arg(args.cluster)
+        wl = workload(args.workload)
+        truth = GroundTruth(spec, wl)
+        caps = truth.max_local_batch
+        if not spec.num_workers <= args.batch <= caps.sum():
+            raise ValueError(f"--batch {args.batch} does not fit: it must be between the "
+                             f"worker count {spec.num_workers} and the total memory cap "
+                             f"{int(caps.sum())} for {wl.name}")
+        even = np.array(proportional_split(args.batch, np.ones(spec.num_workers), caps))
+        cluster, plan = truth.linearised_plan(lambda c: optimal_split(c, args.batch), even)
+    except ValueError as exc:
+        print(f"cannikin plan: error: {exc}", file=sys.stderr)
+        return 2
+    split = np.array(plan.local_batches)
+    print(f"{wl.name}, total batch {args.batch}, on {spec.num_workers} workers "
+          f"({spec.summary()})")
+    print(f"{'worker':>6}  {'device':8}  {'local batch':>11}  {'memory cap':>10}  "
+          f"{'compute (ms)':>12}")
+    for i, node in enumerate(cluster.nodes):
+        b = int(split[i])
+        compute = node.forward_time(b) + node.backward_time(b)
+        print(f"{i:>6}  {device(spec.devices[i]).name:8}  {b:>11}  {int(caps[i]):>10}  "
+              f"{1000 * compute:>12.1f}")
+    even_time = truth.expected_step_time(even)
+    opt_time = truth.expected_step_time(split)
+    print(f"predicted step time: {1000 * plan.step_time:.1f} ms "
+          f"(planner model; simulator ground truth {1000 * opt_time:.1f} ms, "
+          f"even split {1000 * even_time:.1f} ms, {even_time / opt_time:.2f}x slower)")
+    if args.json:
+        payload = {"workload": wl.name, "total_batch": args.batch,
+                   "devices": [device(d).name for d in spec.devices],
+                   "local_batches": [int(b) for b in split],
+                   "predicted_step_time_s": plan.step_time,
+                   "simulated_step_time_s": opt_time, "even_split_step_time_s": even_time}
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n", "utf-8")
+    return 0

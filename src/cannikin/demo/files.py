@@ -1,0 +1,46 @@
+"""Names of the files the demo's workers leave in the output directory, and how they are
+written (atomically, so the parent never reads half a file)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+CONFIG = "config.json"
+METRICS = "metrics.jsonl"
+WORKER_LOG = "workers.log"
+
+
+def json_safe(value: Any) -> Any:
+    """JSON-safe copy: tuples become lists, NaN and infinities become None."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "tolist") and callable(value.tolist):  # numpy / torch scalars, arrays
+        return json_safe(value.tolist())
+    return value
+
+
+def result_name(phase: str) -> str:
+    return f"result_{phase}.json"
+
+
+def rank_name(phase: str, rank: int) -> str:
+    return f"rank{rank}_{phase}.json"
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    text = json.dumps(json_safe(data), indent=2, allow_nan=False)
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))

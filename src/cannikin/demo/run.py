@@ -1,0 +1,69 @@
+"""Run the whole demo from the parent process: launch the workers, show their progress live,
+then read what they wrote and report it. The parent never imports torch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from cannikin.demo import files
+from cannikin.demo.config import DemoConfig
+from cannikin.demo.launch import run_local, torchrun_command, worker_env
+from cannikin.demo.metrics import JsonlTail, LineTail, read_jsonl
+from cannikin.demo.report import PHASE_TITLES, build_report
+
+logger = logging.getLogger(__name__)
+
+WORKER_MODULE = "cannikin.demo.worker"
+DIGITS_TRAIN_SIZE = 1437
+"""Training samples of the digits split (1797 images, 20% held out, rounded as sklearn does)."""
+
+
+def run_demo(
+    config: DemoConfig, *, out_dir: Path, timeout_s: float, console: Console,
+    show_progress: bool = True, plot_path: Path | None = None,
+) -> dict[str, Any]:
+    """Train both phases on a local cluster and return the report (see :mod:`report`);
+    with ``plot_path``, also draw the figure there."""
+    from cannikin.demo.progress import DemoProgress
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (files.METRICS, files.WORKER_LOG):
+        (out_dir / stale).unlink(missing_ok=True)
+    files.write_json(out_dir / files.CONFIG, config.to_json())
+    command = torchrun_command(
+        config.workers, WORKER_MODULE,
+        ["--config", str(out_dir / files.CONFIG), "--out", str(out_dir)],
+    )
+    env = worker_env(config.slowdowns)
+    metrics = JsonlTail(out_dir / files.METRICS)
+    log_lines = LineTail(out_dir / files.WORKER_LOG)
+    start = time.monotonic()
+    with DemoProgress(config.sample_budget(DIGITS_TRAIN_SIZE), console, show_progress) as bar:
+
+        def poll() -> None:
+            bar.update(metrics.read_new())
+            if config.verbose:
+                for line in log_lines.read_new():
+                    bar.console.print(line, markup=False, highlight=False)
+
+        run_local(command, env=env, log_path=out_dir / files.WORKER_LOG, timeout_s=timeout_s,
+                  on_poll=poll)
+    wall_s = time.monotonic() - start
+    results = {p: files.read_json(out_dir / files.result_name(p)) for p in PHASE_TITLES}
+    ranks = {
+        p: [files.read_json(out_dir / files.rank_name(p, r)) for r in range(config.workers)]
+        for p in PHASE_TITLES
+    }
+    records = read_jsonl(out_dir / files.METRICS)
+    report = build_report(config, results, records, ranks)
+    report["wall_s"] = wall_s
+    if plot_path is not None:
+        from cannikin.demo.plot import write_plot
+
+        write_plot(report, records, plot_path)
+    return report

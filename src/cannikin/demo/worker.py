@@ -1,0 +1,148 @@
+"""One demo worker, started by torchrun: trains the digits CNN with an even split, then with
+Cannikin, on the same samples, and writes what the parent needs to report.
+
+Run as ``python -m cannikin.demo.worker --config CONFIG.json --out DIR`` under torchrun. Files
+written into DIR (see :mod:`cannikin.demo.files`): rank 0 appends per-step metrics to the
+metrics JSONL and writes one result JSON per phase; every rank writes the sample indices it
+trained on, per epoch (so the parent can check that each epoch saw every sample once), with
+its slowdown factor and thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cannikin.demo import files
+from cannikin.demo.config import DemoConfig
+from cannikin.demo.data import DigitsSplit, load_digits_split
+from cannikin.demo.metrics import JsonlSink
+from cannikin.demo.model import DigitsCNN
+from cannikin.log import setup_logging
+from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+from cannikin.runtime.distributed import DistContext, destroy_distributed, init_distributed
+from cannikin.runtime.emulate import slowdown_from_env
+
+logger = logging.getLogger(__name__)
+
+PHASES = (("even", "even"), ("cannikin", "optimal"))
+"""(phase name, HeteroDataParallel split): the DDP baseline first, then Cannikin."""
+MOMENTUM = 0.9
+
+
+def _evaluate(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``net`` on (x, y), in one pass."""
+    net.eval()
+    with torch.no_grad():
+        logits = net(x)
+        loss = F.cross_entropy(logits, y).item()
+        accuracy = (logits.argmax(dim=1) == y).float().mean().item()
+    net.train()
+    return loss, accuracy
+
+
+def _train_phase(
+    config: DemoConfig, ctx: DistContext, data: DigitsSplit, phase: str, split: str, out: Path
+) -> None:
+    torch.manual_seed(config.seed)
+    net = DigitsCNN()
+    optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=MOMENTUM, nesterov=True)
+    loader = HeteroDataLoader(data.train, batch_size=config.batch_size, seed=config.seed)
+    if config.adaptive_batch and split == "optimal":
+        loader.autoscale_batch_size(
+            config.max_batch_size, local_bsz_bounds=(1, config.max_batch_size)
+        )
+    sink = JsonlSink(out / files.METRICS, phase=phase, kind="plan") if ctx.rank == 0 else None
+    losses = JsonlSink(out / files.METRICS, phase=phase, kind="train") if ctx.rank == 0 else None
+    # HeteroDataParallel emulates this rank's speed from CANNIKIN_SLOWDOWN (set by the parent)
+    model = HeteroDataParallel(
+        net, optimizer, loader, split=split, lr_scaling="adascale",
+        replan_every=config.replan_every, metrics=sink,
+    )
+    budget = config.sample_budget(len(data.train))
+    seen = steps = 0
+    indices: list[list[int]] = []
+    dist.barrier()
+    start = time.perf_counter()
+    while seen < budget:
+        indices.append([])
+        for x, y, index in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            total_batch = int(model.last_metrics["total_batch"])  # the same on every rank
+            steps += 1
+            seen += total_batch
+            indices[-1].extend(index.tolist())
+            if losses is not None:
+                losses.log(
+                    {"loss": loss.item(), "samples": seen, "total_batch": total_batch,
+                     "wall_s": time.perf_counter() - start},
+                    steps,
+                )
+            if seen >= budget:
+                break
+    dist.barrier()
+    wall_s = time.perf_counter() - start
+    model.remove_hooks()  # also ends the emulated slowdown before the evaluation
+    files.write_json(
+        out / files.rank_name(phase, ctx.rank),
+        {"slowdown": slowdown_from_env(ctx.rank), "num_threads": torch.get_num_threads(),
+         "epochs": indices},
+    )
+    if ctx.rank == 0:
+        assert sink is not None and losses is not None
+        sink.close()
+        losses.close()
+        final_loss, train_accuracy = _evaluate(net, data.train_x, data.train_y)
+        test_loss, accuracy = _evaluate(net, data.test_x, data.test_y)
+        tracker = model.prediction_tracker
+        result: dict[str, Any] = {
+            "phase": phase,
+            "split": split,
+            "steps": steps,
+            "samples": seen,
+            "train_size": len(data.train),
+            "test_size": len(data.test_y),
+            "wall_s": wall_s,
+            "final_loss": final_loss,
+            "train_accuracy": train_accuracy,
+            "test_loss": test_loss,
+            "accuracy": accuracy,
+            "local_batches": list(model.plan.local_batches),
+            "prediction_error_median": tracker.median_window_error(),
+            "prediction_error_step_median": tracker.median_step_error(),
+        }
+        files.write_json(out / files.result_name(phase), result)
+        logger.info("%s: %d steps, %d samples in %.1f s, accuracy %.3f",
+                    phase, steps, seen, wall_s, accuracy)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    config = DemoConfig.from_json(json.loads(args.config.read_text(encoding="utf-8")))
+    torch.set_num_threads(1)
+    ctx = init_distributed()
+    setup_logging(ctx.rank, config.verbose)
+    data = load_digits_split(config.seed)
+    for phase, split in PHASES:
+        _train_phase(config, ctx, data, phase, split, args.out)
+    destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,385 @@
+"""OptPerf: the split of a total batch that minimises the predicted step time (DESIGN.md §2).
+
+Worker i's time at local batch b is ``tau_i(b) = max_j (d_ij + a_ij * b)`` (convex,
+increasing; ``d``/``a`` from :class:`~cannikin.perf.ClusterArrays`). The step takes
+``max_i tau_i(b_i)``. Its inverse ``beta_i(t)`` (the most worker i can take by time t) is
+concave piecewise linear, so the total it can absorb, ``S(t) = sum_i clip(beta_i(t), lo_i,
+hi_i)``, is piecewise linear with breakpoints that are known in closed form: where
+``tau_i`` reaches ``lo_i`` or ``hi_i`` and where two of its lines cross. Sorting those
+breakpoints gives ``S`` (and its inverse, the continuous optimum ``T*(B)``) exactly; the
+integer split is the floor of the continuous one plus a greedy hand-out of the remaining
+units to whichever worker would finish its extra sample first, which is exact for a
+min-max of increasing per-worker costs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from cannikin.perf import ClusterArrays, ClusterModel, FloatArray, _is_int
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Local batch per worker (in node order) and the step time the model predicts for it."""
+
+    local_batches: tuple[int, ...]
+    step_time: float
+
+    @property
+    def total_batch(self) -> int:
+        """Sum of the local batches."""
+        return sum(self.local_batches)
+
+
+@dataclass(frozen=True, eq=False)
+class StepTimeCurve:
+    """The continuous optimal step time ``T*(B)`` (the LP bound of §2) as a function of B.
+
+    Piecewise linear and convex between the breakpoints ``(batch[k], time[k])``; beyond
+    the last breakpoint it rises with slope ``slope_beyond`` (seconds per sample) up to
+    ``max_total`` (the sum of the caps; ``inf`` when some worker is uncapped). The integer
+    optimum of :func:`optimal_split` is at most one sample's cost above it.
+    """
+
+    batch: FloatArray
+    time: FloatArray
+    slope_beyond: float
+    max_total: float
+
+    @property
+    def min_total(self) -> float:
+        """Sum of the workers' minimum batches: the smallest feasible total."""
+        return float(self.batch[0])
+
+    def __call__(self, total_batch: float) -> float:
+        """``T*(total_batch)``; ValueError outside ``[min_total, max_total]``."""
+        b = float(total_batch)
+        if not self.min_total <= b <= self.max_total:
+            raise ValueError(
+                f"total_batch={total_batch!r} is outside the feasible range "
+                f"[{self.min_total:g}, {self.max_total:g}] (sum of min_batch, sum of max_batch)"
+            )
+        if b > self.batch[-1]:
+            return float(self.time[-1] + (b - self.batch[-1]) * self.slope_beyond)
+        return float(np.interp(b, self.batch, self.time))
+
+
+def checked_arrays(cluster: ClusterModel) -> ClusterArrays:
+    """The cluster's arrays, after checking every worker gets slower with more samples."""
+    arr = cluster.arrays
+    bad = np.argwhere(arr.slopes <= 0)
+    if bad.size:
+        i, j = (int(v) for v in bad[0])
+        node = cluster.nodes[i]
+        raise ValueError(
+            f"node {i} ({node.name!r}): time per sample f1 + rho_j*k1 = {arr.slopes[i, j]:g} "
+            f"for bucket {j} must be > 0 (fwd={node.fwd}, bwd={node.bwd})"
+        )
+    return arr
+
+
+def _per_worker(values: FloatArray, like: FloatArray) -> FloatArray:
+    """Reshape per-worker ``values`` (n,) or (n, m) to broadcast against ``like[..., None]``."""
+    extra = (1,) * (like.ndim - 1)
+    shape = (values.shape[0], *extra, values.shape[1]) if values.ndim == 2 else (
+        values.shape[0], *extra)
+    return values.reshape(shape)
+
+
+def _times(arr: ClusterArrays, batches: FloatArray) -> FloatArray:
+    """``tau_i(batches_i)``: worker i's finishing time; ``batches`` has shape (n,) or (n, k)."""
+    offsets, slopes = _per_worker(arr.offsets, batches), _per_worker(arr.slopes, batches)
+    result: FloatArray = np.max(offsets + slopes * batches[..., None], axis=-1)
+    return result
+
+
+def _supply(arr: ClusterArrays, t: FloatArray) -> FloatArray:
+    """``clip(beta_i(t_i), lo_i, hi_i)``: what worker i can take by time t; t is (n,) or (n, k)."""
+    offsets, slopes = _per_worker(arr.offsets, t), _per_worker(arr.slopes, t)
+    with np.errstate(invalid="ignore"):
+        beta = np.min((t[..., None] - offsets) / slopes, axis=-1)
+    result: FloatArray = np.clip(beta, _per_worker(arr.lo, t), _per_worker(arr.hi, t))
+    return result
+
+
+@dataclass(frozen=True, eq=False)
+class _Breakpoints:
+    """``S(t)`` at its sorted breakpoints ``times``, and its slope after the last one."""
+
+    times: FloatArray
+    supply: FloatArray
+    slope_after: FloatArray  # dS/dt just after each breakpoint
+    t_min: float  # max_i tau_i(lo_i): no split finishes sooner
+
+
+def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
+    """Sort every worker's kinks of ``clip(beta_i)`` and sweep ``S(t)`` across them.
+
+    Worker i's kinks are at ``tau_i(lo_i)``, ``tau_i(hi_i)`` and ``tau_i`` where two
+    consecutive binding buckets' lines cross inside ``(lo_i, hi_i)``. Between its own
+    kinks its supply is linear, so its slope changes only there; the sweep adds up those
+    changes in time order and integrates. O(n m' log(n m')) for m' binding buckets.
+    """
+    n, m = arr.slopes.shape
+    lo_t = _times(arr, arr.lo)
+    capped = np.isfinite(arr.hi)
+    hi_t = np.where(capped, _times(arr, np.where(capped, arr.hi, arr.lo)), np.inf)
+    columns = [lo_t[:, None], hi_t[:, None]]
+    if m > 1:
+        j = np.arange(m - 1)
+        k = j + 1
+        da = arr.slopes[:, j] - arr.slopes[:, k]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cross = (arr.offsets[:, k] - arr.offsets[:, j]) / da
+        inside = (da != 0) & (cross > arr.lo[:, None]) & (cross < arr.hi[:, None])
+        cross = np.where(inside, cross, arr.lo[:, None])
+        cross_t = np.where(inside, _times(arr, cross), np.inf)
+        columns.append(cross_t)
+    cand = np.sort(np.concatenate(columns, axis=1), axis=1)
+    value = _supply(arr, cand)
+    finite = np.isfinite(cand)
+    final = np.where(np.isinf(arr.hi), 1.0 / np.max(arr.slopes, axis=1), 0.0)
+    both = finite[:, :-1] & finite[:, 1:]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        dt = np.diff(cand, axis=1)
+        seg = np.where(both & (dt > 0), np.diff(value, axis=1) / dt, 0.0)
+    seg = np.where(finite[:, :-1] & ~finite[:, 1:], final[:, None], seg)
+    last = np.where(finite[:, -1], final, 0.0)
+    after = np.concatenate([seg, last[:, None]], axis=1)
+    before = np.concatenate([np.zeros((n, 1)), seg], axis=1)
+    times = cand[finite]
+    delta = (after - before)[finite]
+    order = np.argsort(times, kind="stable")
+    times, delta = times[order], delta[order]
+    slope_after = np.cumsum(delta)
+    supply = float(np.sum(arr.lo)) + np.concatenate(
+        [[0.0], np.cumsum(slope_after[:-1] * np.diff(times))]
+    )
+    return _Breakpoints(times=times, supply=supply, slope_after=slope_after,
+                        t_min=float(np.max(lo_t)))
+
+
+def _curve(arr: ClusterArrays, bp: _Breakpoints) -> StepTimeCurve:
+    start = int(np.searchsorted(bp.times, bp.t_min, side="left"))
+    batch = np.concatenate([[float(np.sum(arr.lo))], bp.supply[start:]])
+    time = np.concatenate([[bp.t_min], bp.times[start:]])
+    max_total = float(np.sum(arr.hi))
+    if math.isfinite(max_total):
+        batch[-1] = max_total  # the last breakpoint is t_max, where every worker is capped
+    keep = np.concatenate([[True], np.diff(batch) > 0])
+    final = float(bp.slope_after[-1])
+    return StepTimeCurve(
+        batch=batch[keep], time=time[keep],
+        slope_beyond=1.0 / final if final > 0 else math.inf,
+        max_total=max_total,
+    )
+
+
+def step_time_curve(cluster: ClusterModel) -> StepTimeCurve:
+    """``T*(B)``, the continuous optimum, for every feasible B at once (O(n m log(n m)))."""
+    arr = checked_arrays(cluster)
+    return _curve(arr, _breakpoints(arr))
+
+
+def _check_total(arr: ClusterArrays, total_batch: int) -> None:
+    if not _is_int(total_batch):
+        raise ValueError(f"total_batch={total_batch!r} must be an integer")
+    lo, hi = float(np.sum(arr.lo)), float(np.sum(arr.hi))
+    if total_batch < lo:
+        raise ValueError(
+            f"total_batch={total_batch} is below the sum of the workers' min_batch ({lo:g}); "
+            f"valid: {lo:g} <= total_batch <= {hi:g}"
+        )
+    if total_batch > hi:
+        raise ValueError(
+            f"total_batch={total_batch} exceeds the sum of the workers' max_batch ({hi:g}); "
+            f"valid: {lo:g} <= total_batch <= {hi:g}"
+        )
+
+
+def _continuous(arr: ClusterArrays, bp: _Breakpoints, total: float) -> FloatArray:
+    """A continuous split of ``total`` with every worker finishing by ``T*(total)``.
+
+    The accumulated breakpoint supplies only locate the linear piece; the split itself
+    comes from ``S`` evaluated directly at the piece's ends, so rounding does not build up.
+    """
+    n = arr.lo.size
+    lo_sum = float(np.sum(arr.lo))
+    at_min = _supply(arr, np.full(n, bp.t_min))
+    if float(np.sum(at_min)) >= total:
+        # T* = t_min (the slowest worker's minimum): any split under at_min will do.
+        spare = float(np.sum(at_min)) - lo_sum
+        scale = (total - lo_sum) / spare if spare > 0 else 0.0
+        result: FloatArray = arr.lo + (at_min - arr.lo) * scale
+        return result
+    k = min(max(int(np.searchsorted(bp.supply, total, side="left")) - 1, 0), bp.times.size - 1)
+    t0 = max(float(bp.times[k]), bp.t_min)
+    have0 = float(np.sum(_supply(arr, np.full(n, t0))))
+    if k + 1 < bp.times.size:
+        t1 = float(bp.times[k + 1])
+        have1 = float(np.sum(_supply(arr, np.full(n, t1))))
+        frac = min(max((total - have0) / (have1 - have0), 0.0), 1.0) if have1 > have0 else 1.0
+        t_star = t0 + frac * (t1 - t0)
+    else:
+        final = float(bp.slope_after[-1])
+        t_star = t0 + max(total - have0, 0.0) / final if final > 0 else t0
+    return _supply(arr, np.full(n, t_star))
+
+
+def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
+    """Give ``remaining`` single samples, each to the worker that would finish it first.
+
+    Equivalent to popping a heap of next-sample finishing times ``remaining`` times, done
+    at once: the ``remaining``-th smallest first-extra-sample time bounds every chosen
+    one, so only the (few) units finishing by then are listed, sorted and taken.
+    """
+    if remaining <= 0:
+        return base
+    first = np.where(base + 1 <= arr.hi, _times(arr, (base + 1).astype(np.float64)), np.inf)
+    order = np.argsort(first, kind="stable")
+    if remaining > first.size or not math.isfinite(float(first[order[remaining - 1]])):
+        return _hand_out_heap(arr, base, remaining)
+    bound = float(first[order[remaining - 1]])
+    room = _supply(arr, np.full(base.size, bound))
+    fits = np.floor(room + 1e-9 * np.maximum(np.abs(room), 1.0)) - base
+    counts = np.clip(fits, 0, arr.hi - base).astype(np.int64)
+    worker = np.repeat(np.arange(base.size), counts)
+    step = np.arange(worker.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+    finish = np.max(arr.offsets[worker] + arr.slopes[worker] * (base[worker] + step)[:, None],
+                    axis=1)
+    taken = worker[np.lexsort((worker, finish))[:remaining]]
+    result = base + np.bincount(taken, minlength=base.size)
+    return result
+
+
+def _hand_out_heap(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
+    """:func:`_hand_out` one sample at a time (for large remainders, after float slack)."""
+    result = base.copy()
+    first = np.where(base + 1 <= arr.hi, _times(arr, (base + 1).astype(np.float64)), np.inf)
+    heap = [(float(v), i) for i, v in enumerate(first.tolist()) if math.isfinite(v)]
+    heapq.heapify(heap)
+    for _ in range(remaining):
+        _, i = heapq.heappop(heap)
+        result[i] += 1
+        if result[i] + 1 <= arr.hi[i]:
+            nxt = float(np.max(arr.offsets[i] + arr.slopes[i] * (result[i] + 1.0)))
+            heapq.heappush(heap, (nxt, i))
+    return result
+
+
+def _integer_split(arr: ClusterArrays, bp: _Breakpoints, total_batch: int) -> Plan:
+    cont = _continuous(arr, bp, float(total_batch))
+    base = np.maximum(np.floor(cont), arr.lo).astype(np.int64)
+    while int(base.sum()) > total_batch:  # only after float slack: undo the latest finisher
+        over = np.where(base > arr.lo, _times(arr, base.astype(np.float64)), -np.inf)
+        base[int(np.argmax(over))] -= 1
+    local = _hand_out(arr, base, total_batch - int(base.sum()))
+    step = float(np.max(_times(arr, local.astype(np.float64))))
+    return Plan(local_batches=tuple(int(v) for v in local), step_time=step)
+
+
+def optimal_split(cluster: ClusterModel, total_batch: int) -> Plan:
+    """The integer split of ``total_batch`` with the smallest predicted step time.
+
+    Honours each node's ``min_batch``/``max_batch``; ValueError if ``total_batch`` is not
+    an integer in ``[sum min_batch, sum max_batch]`` or a node's time per sample is not
+    positive. Deterministic: equal inputs give equal plans on every rank.
+    """
+    arr = checked_arrays(cluster)
+    _check_total(arr, total_batch)
+    return _integer_split(arr, _breakpoints(arr), int(total_batch))
+
+
+class Splitter:
+    """:func:`optimal_split` for many totals on one cluster, sharing the breakpoint sort."""
+
+    def __init__(self, cluster: ClusterModel) -> None:
+        self.cluster = cluster
+        self._arr = checked_arrays(cluster)
+        self._bp = _breakpoints(self._arr)
+        self.curve = _curve(self._arr, self._bp)
+
+    def split(self, total_batch: int) -> Plan:
+        """Same result as ``optimal_split(self.cluster, total_batch)``."""
+        _check_total(self._arr, total_batch)
+        return _integer_split(self._arr, self._bp, int(total_batch))
+
+    def step_times(self, first: int, last: int) -> FloatArray:
+        """The optimal integer step time of every total in ``[first, last]``, exactly.
+
+        From the optimal split of ``first`` (all its samples finish by ``T1``), the
+        optimum of ``first + k`` is ``max(T1, c_k)`` with ``c_k`` the k-th smallest
+        finishing time among the samples not yet handed out; those are listed up to the
+        optimum of ``last`` and sorted once: O((last - first + n) log) for the whole range.
+        """
+        _check_total(self._arr, first)
+        _check_total(self._arr, last)
+        if last < first:
+            raise ValueError(f"last={last} must be >= first={first}")
+        start = self.split(first)
+        if last == first:
+            return np.array([start.step_time])
+        top = self.split(last).step_time
+        base = np.array(start.local_batches, dtype=np.int64)
+        room = _supply(self._arr, np.full(base.size, top))
+        fits = np.floor(room + 1e-9 * np.maximum(room, 1.0)) - base
+        counts = np.clip(fits, 0, self._arr.hi - base).astype(np.int64)
+        worker = np.repeat(np.arange(base.size), counts)
+        step = np.arange(worker.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+        finish = np.sort(np.max(
+            self._arr.offsets[worker] + self._arr.slopes[worker] * (base[worker] + step)[:, None],
+            axis=1,
+        ))
+        need = last - first
+        # A sample finishing exactly at ``top`` may be lost to rounding; it finishes at top.
+        finish = np.concatenate([finish[:need], np.full(max(need - finish.size, 0), top)])
+        return np.concatenate([[start.step_time], np.maximum(start.step_time, finish)])
+
+
+def _round_shares(shares: FloatArray, total_batch: int) -> tuple[int, ...]:
+    """Largest-remainder rounding of non-negative ``shares`` summing to ``total_batch``."""
+    base = np.floor(shares).astype(np.int64)
+    rest = total_batch - int(base.sum())
+    order = np.argsort(-(shares - base), kind="stable")
+    base[order[:rest]] += 1
+    return tuple(int(v) for v in base)
+
+
+def even_split(cluster: ClusterModel, total_batch: int) -> Plan:
+    """The homogeneous baseline (DDP, AdaptDL): equal shares, ignoring speeds and caps."""
+    n = cluster.size
+    if not _is_int(total_batch) or total_batch < 0:
+        raise ValueError(f"total_batch={total_batch!r} must be an integer >= 0")
+    local = tuple(total_batch // n + (1 if i < total_batch % n else 0) for i in range(n))
+    return Plan(local_batches=local, step_time=cluster.step_time(local))
+
+
+def proportional_split(
+    cluster: ClusterModel, total_batch: int, throughput: Sequence[float] | None = None
+) -> Plan:
+    """The LB-BSP-style baseline: shares proportional to each worker's throughput.
+
+    ``throughput`` (samples/s, one per node) defaults to each node's modelled throughput
+    at the even share, ``(B/n) / tau_i(B/n)``. Caps are not enforced.
+    """
+    n = cluster.size
+    if not _is_int(total_batch) or total_batch < 0:
+        raise ValueError(f"total_batch={total_batch!r} must be an integer >= 0")
+    if throughput is None:
+        even = np.full(n, max(total_batch / n, 1.0))
+        speed = even / _times(cluster.arrays, even)
+    else:
+        speed = np.asarray(throughput, dtype=np.float64)
+        if speed.shape != (n,) or not np.all(np.isfinite(speed)) or np.any(speed <= 0):
+            raise ValueError(f"throughput must be {n} finite values > 0, got {throughput!r}")
+    local = _round_shares(total_batch * speed / speed.sum(), total_batch)
+    return Plan(local_batches=local, step_time=cluster.step_time(local))

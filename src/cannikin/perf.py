@@ -1,0 +1,534 @@
+"""Performance model of a heterogeneous data-parallel step (DESIGN.md §1), and its online fit.
+
+Per worker i with local batch b, forward ``F_i(b) = f0 + f1*b`` and backward
+``K_i(b) = k0 + k1*b``. Gradients are all-reduced in buckets during the backward pass:
+bucket j is ready on a worker once a fraction ``rho_j`` of its backward is done, its
+all-reduce starts once every worker has it, and buckets go one after another. With
+``R_j = c_j + ... + c_m`` the communication left from bucket j on::
+
+    T(b) = max_j [ max_i (F_i(b_i) + rho_j * K_i(b_i)) + R_j ]
+
+The fitters learn these parameters from measured samples robustly (a straggling step
+must not wreck the model) over a bounded window (so the model follows a worker whose
+speed changes), and :class:`PredictionTracker` reports how well the model predicts the
+steps it later observes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import numpy.typing as npt
+
+logger = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+
+# Residuals further than this many robust standard deviations (1.4826 * MAD) from the
+# median residual are treated as outliers (stragglers, GC pauses) and left out of the fit.
+OUTLIER_SIGMAS = 3.5
+# A fitted slope is never below this fraction of the worker's mean per-sample time, so a
+# noisy fit cannot make a worker look free for extra samples (the split needs slopes > 0).
+MIN_SLOPE_FRACTION = 1e-3
+# Relative tolerance added to the robust scale so exact (noise-free) samples are inliers.
+_SCALE_FLOOR = 1e-9
+# Drift: a worker's speed is taken to have changed when the mean log(measured/predicted)
+# of the latest samples differs from the older ones by more than DRIFT_SIGMAS standard
+# errors and by more than DRIFT_MIN_CHANGE (relative), with >= DRIFT_MIN_SEGMENT samples
+# on each side. Smaller changes are left to the window to absorb.
+DRIFT_SIGMAS = 5.0
+DRIFT_MIN_CHANGE = 0.15
+DRIFT_MIN_SEGMENT = 4
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _check_line(name: str, line: tuple[float, float], node: str) -> tuple[float, float]:
+    if len(line) != 2:
+        raise ValueError(f"node {node!r}: {name} must be (intercept, slope), got {line!r}")
+    intercept, slope = float(line[0]), float(line[1])
+    if not (math.isfinite(intercept) and math.isfinite(slope)):
+        raise ValueError(f"node {node!r}: {name}={line!r} must be finite")
+    if intercept < 0 or slope < 0:
+        raise ValueError(f"node {node!r}: {name}={line!r} must have intercept >= 0 and slope >= 0")
+    return intercept, slope
+
+
+@dataclass(frozen=True)
+class NodeModel:
+    """One worker's compute model: forward and backward seconds, linear in its local batch.
+
+    ``fwd=(f0, f1)`` covers forward, data loading and the optimiser step; ``bwd=(k0, k1)``
+    the backward compute. ``min_batch``/``max_batch`` bound the local batch (``max_batch``
+    is the memory cap; ``None`` means unbounded).
+    """
+
+    fwd: tuple[float, float]
+    bwd: tuple[float, float]
+    max_batch: int | None = None
+    min_batch: int = 1
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fwd", _check_line("fwd", self.fwd, self.name))
+        object.__setattr__(self, "bwd", _check_line("bwd", self.bwd, self.name))
+        if not _is_int(self.min_batch) or self.min_batch < 0:
+            raise ValueError(
+                f"node {self.name!r}: min_batch={self.min_batch!r} must be an integer >= 0"
+            )
+        object.__setattr__(self, "min_batch", int(self.min_batch))
+        if self.max_batch is not None:
+            if not _is_int(self.max_batch) or self.max_batch < max(self.min_batch, 1):
+                raise ValueError(
+                    f"node {self.name!r}: max_batch={self.max_batch!r} must be None or an "
+                    f"integer >= max(min_batch, 1) = {max(self.min_batch, 1)}"
+                )
+            object.__setattr__(self, "max_batch", int(self.max_batch))
+
+    def forward_time(self, batch: float) -> float:
+        """Predicted forward seconds at local batch ``batch``."""
+        return self.fwd[0] + self.fwd[1] * batch
+
+    def backward_time(self, batch: float) -> float:
+        """Predicted backward seconds at local batch ``batch``."""
+        return self.bwd[0] + self.bwd[1] * batch
+
+
+@dataclass(frozen=True)
+class CommModel:
+    """Gradient all-reduce buckets in ready order: ``(rho_j, c_j)``.
+
+    ``rho_j`` is the fraction of a worker's backward after which bucket j is ready
+    (non-decreasing, the last one 1.0), ``c_j`` the seconds its all-reduce takes.
+    The default is one bucket that costs nothing (no communication).
+    """
+
+    buckets: Sequence[tuple[float, float]] = ((1.0, 0.0),)
+
+    def __post_init__(self) -> None:
+        buckets = tuple((float(r), float(c)) for r, c in self.buckets)
+        if not buckets:
+            raise ValueError("CommModel needs at least one bucket; use ((1.0, 0.0),) for none")
+        previous = 0.0
+        for j, (rho, cost) in enumerate(buckets):
+            if not (math.isfinite(rho) and math.isfinite(cost)):
+                raise ValueError(f"bucket {j}: (rho, c)=({rho}, {cost}) must be finite")
+            if not previous <= rho <= 1.0:
+                raise ValueError(
+                    f"bucket {j}: rho={rho} must be in [{previous}, 1.0] (ready fractions are "
+                    "non-decreasing in ready order)"
+                )
+            if cost < 0:
+                raise ValueError(f"bucket {j}: all-reduce time c={cost} must be >= 0")
+            previous = rho
+        if buckets[-1][0] != 1.0:
+            raise ValueError(
+                f"the last bucket is ready when the backward ends: rho_m must be 1.0, "
+                f"got {buckets[-1][0]}"
+            )
+        object.__setattr__(self, "buckets", buckets)
+
+    @property
+    def ready_fractions(self) -> FloatArray:
+        """``rho_j`` for each bucket, shape (m,)."""
+        return np.array([r for r, _ in self.buckets], dtype=np.float64)
+
+    @property
+    def remaining(self) -> FloatArray:
+        """``R_j = c_j + ... + c_m``: communication left once bucket j may start, shape (m,)."""
+        costs = np.array([c for _, c in self.buckets], dtype=np.float64)
+        return np.cumsum(costs[::-1])[::-1].copy()
+
+    @property
+    def total(self) -> float:
+        """Seconds of all-reduce per step if none of it overlapped the backward."""
+        return float(sum(c for _, c in self.buckets))
+
+    def binding(self) -> npt.NDArray[np.intp]:
+        """Indices of the buckets that can set the step time, in ready order.
+
+        A worker's share of the step is ``F + g(K)`` with ``g(K) = max_j (R_j + rho_j*K)``
+        and ``K >= 0`` its backward time, the same ``g`` for every worker. Only buckets on
+        the upper envelope of these lines over ``K >= 0`` ever bind; for real layouts
+        that is a handful of the m buckets, and the planners work on those alone.
+        """
+        rho, remaining = self.ready_fractions, self.remaining
+        hull: list[int] = []
+        for j in np.lexsort((remaining, rho)).tolist():  # by slope, then intercept
+            while hull and rho[hull[-1]] == rho[j]:
+                hull.pop()  # same slope, lower intercept
+            while len(hull) >= 2 and _crossing(rho, remaining, hull[-2], j) <= _crossing(
+                    rho, remaining, hull[-2], hull[-1]):
+                hull.pop()
+            hull.append(j)
+        while len(hull) >= 2 and _crossing(rho, remaining, hull[0], hull[1]) <= 0:
+            hull.pop(0)  # only the larger line binds for every K >= 0
+        return np.array(hull, dtype=np.intp)
+
+
+def _crossing(rho: FloatArray, remaining: FloatArray, a: int, b: int) -> float:
+    """K where lines a and b (rho[b] > rho[a]) of ``R + rho*K`` meet."""
+    return float((remaining[a] - remaining[b]) / (rho[b] - rho[a]))
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """The workers' models plus the shared communication model: predicts a step's time."""
+
+    nodes: Sequence[NodeModel]
+    comm: CommModel = field(default_factory=CommModel)
+
+    def __post_init__(self) -> None:
+        nodes = tuple(self.nodes)
+        if not nodes:
+            raise ValueError("ClusterModel needs at least one node, got an empty list")
+        for i, node in enumerate(nodes):
+            if not isinstance(node, NodeModel):
+                raise ValueError(f"node {i} must be a NodeModel, got {type(node).__name__}")
+        object.__setattr__(self, "nodes", nodes)
+
+    @property
+    def size(self) -> int:
+        """Number of workers."""
+        return len(self.nodes)
+
+    @cached_property
+    def arrays(self) -> ClusterArrays:
+        """The parameters as numpy arrays (computed once), for vectorised planners."""
+        return ClusterArrays.of(self)
+
+    def node_times(self, local_batches: npt.ArrayLike) -> FloatArray:
+        """Each worker's share of the step: ``max_j (F_i + rho_j K_i + R_j)``, shape (n,).
+
+        The step time is the largest of these; bounds (min/max batch) are not enforced
+        here so that any split, feasible or not, can be evaluated.
+        """
+        b = np.asarray(local_batches, dtype=np.float64)
+        if b.shape != (self.size,):
+            raise ValueError(
+                f"local_batches has shape {b.shape}, expected ({self.size},) (one per node)"
+            )
+        if not np.all(np.isfinite(b)) or np.any(b < 0):
+            raise ValueError(f"local_batches must be finite and >= 0, got {b.tolist()}")
+        arr = self.arrays
+        times: FloatArray = np.max(arr.offsets + arr.slopes * b[:, None], axis=1)
+        return times
+
+    def step_time(self, local_batches: npt.ArrayLike) -> float:
+        """Predicted seconds of one synchronous step with these local batches (DESIGN §1)."""
+        return float(np.max(self.node_times(local_batches)))
+
+
+@dataclass(frozen=True, eq=False)
+class ClusterArrays:
+    """A cluster as arrays: worker i's time at batch b is ``max_j(offsets[i,j] + slopes[i,j]*b)``.
+
+    ``offsets = R_j + f0 + rho_j*k0`` and ``slopes = f1 + rho_j*k1`` (shape (n, m')),
+    over the buckets that can bind (:meth:`CommModel.binding`), in ready order, so that
+    consecutive columns are the envelope's consecutive pieces; ``lo``/``hi`` are the
+    batch bounds (``hi`` is ``inf`` where uncapped).
+    """
+
+    offsets: FloatArray
+    slopes: FloatArray
+    lo: FloatArray
+    hi: FloatArray
+
+    @staticmethod
+    def of(cluster: ClusterModel) -> ClusterArrays:
+        params = np.array([(*n.fwd, *n.bwd) for n in cluster.nodes], dtype=np.float64)
+        f0, f1, k0, k1 = params.T
+        binding = cluster.comm.binding()
+        rho = cluster.comm.ready_fractions[binding]
+        remaining = cluster.comm.remaining[binding]
+        offsets = remaining[None, :] + f0[:, None] + rho[None, :] * k0[:, None]
+        slopes = f1[:, None] + rho[None, :] * k1[:, None]
+        lo = np.array([n.min_batch for n in cluster.nodes], dtype=np.float64)
+        hi = np.array(
+            [np.inf if n.max_batch is None else n.max_batch for n in cluster.nodes],
+            dtype=np.float64,
+        )
+        return ClusterArrays(offsets=offsets, slopes=slopes, lo=lo, hi=hi)
+
+
+def _robust_line(b: FloatArray, y: FloatArray) -> tuple[float, float]:
+    """Fit ``y = intercept + slope*b`` robustly; ``b`` must hold >= 2 distinct values.
+
+    Theil-Sen (median of pairwise slopes, 29% breakdown) gives a first line; residuals
+    beyond ``OUTLIER_SIGMAS`` robust standard deviations are dropped; least squares on the
+    rest gives the final, efficient estimate. Slope and intercept are kept >= 0 (physical
+    times), refitting through the origin when the intercept would be negative.
+    """
+    i, j = np.triu_indices(b.size, k=1)
+    db = b[j] - b[i]
+    distinct = db != 0
+    slope = float(np.median((y[j] - y[i])[distinct] / db[distinct]))
+    intercept = float(np.median(y - slope * b))
+    residual = y - (intercept + slope * b)
+    centre = np.median(residual)
+    scale = 1.4826 * float(np.median(np.abs(residual - centre)))
+    scale += _SCALE_FLOOR * float(np.median(np.abs(y))) + np.finfo(np.float64).tiny
+    inlier = np.abs(residual - centre) <= OUTLIER_SIGMAS * scale
+    if np.unique(b[inlier]).size >= 2:
+        slope, intercept = (float(v) for v in np.polyfit(b[inlier], y[inlier], 1))
+    positive = b > 0
+    floor = MIN_SLOPE_FRACTION * float(np.median(y[positive] / b[positive]))
+    if intercept < 0:
+        bi, yi = b[inlier], y[inlier]
+        slope, intercept = float(np.dot(bi, yi) / np.dot(bi, bi)), 0.0
+    if slope < floor:
+        slope = floor
+        intercept = max(0.0, float(np.median(y[inlier] - slope * b[inlier])))
+    return intercept, slope
+
+
+@dataclass
+class NodeFitter:
+    """Learns one worker's :class:`NodeModel` from per-step samples, online.
+
+    Keeps the last ``window`` accepted samples and fits them robustly (stragglers are
+    rejected as outliers). When a worker's speed changes, a change-point test on
+    measured/predicted time finds the shift and the older samples are dropped: a 2x
+    slowdown with 10% timing noise is followed to within 10% after 3-11 new samples
+    (median 6 over 20 seeds, window 64; the window alone would need 46-60;
+    ``tests/test_perf.py`` checks <= 16). Shifts under ``DRIFT_MIN_CHANGE`` are absorbed
+    as the window rolls over.
+    Before two distinct batch sizes are in the window the model is proportional to the
+    measurements (``F(b) = F(b*) * b / b*``) or, once a two-size fit exists, that fit's
+    shape rescaled to pass through the current measurements.
+    """
+
+    window: int = 64
+    _samples: deque[tuple[float, float, float]] = field(init=False, repr=False)
+    _shape: tuple[float, float, float, float] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.window) or self.window < 2:
+            raise ValueError(f"window={self.window!r} must be an integer >= 2")
+        self._samples = deque(maxlen=self.window)
+
+    @property
+    def num_samples(self) -> int:
+        """Accepted samples currently in the window."""
+        return len(self._samples)
+
+    def add(self, batch: float, fwd_s: float, bwd_s: float) -> bool:
+        """Record one step's measurement; returns False (and logs) if it is rejected.
+
+        Rejected: a non-finite or negative batch or time. Never raises, so a bad timer
+        reading cannot stop training.
+        """
+        values = (float(batch), float(fwd_s), float(bwd_s))
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            logger.warning(
+                "rejected timing sample (batch=%r, fwd_s=%r, bwd_s=%r): values must be finite "
+                "and >= 0", batch, fwd_s, bwd_s,
+            )
+            return False
+        self._samples.append(values)
+        return True
+
+    def fit(self, name: str = "", min_batch: int = 1, max_batch: int | None = None) -> (
+        NodeModel | None
+    ):
+        """The current model, or None before any sample with a non-zero batch.
+
+        If the window shows a significant lasting shift in speed, the samples from before
+        it are forgotten first (the only state ``fit`` changes).
+        """
+        params = self._params()
+        if params is None:
+            return None
+        data = np.array(self._samples, dtype=np.float64)
+        b, total = data[:, 0], data[:, 1] + data[:, 2]
+        f0, f1, k0, k1 = params
+        tiny = np.finfo(np.float64).tiny
+        predicted = np.maximum(f0 + k0 + (f1 + k1) * b, tiny)
+        start = _change_point(np.log(np.maximum(total, tiny) / predicted))
+        if start:
+            logger.info("node %r: speed changed %d samples ago; forgetting %d older samples",
+                        name, len(self._samples) - start, start)
+            for _ in range(start):
+                self._samples.popleft()
+            params = self._params()
+            if params is None:
+                return None
+            f0, f1, k0, k1 = params
+        if np.unique(np.array([s[0] for s in self._samples])).size >= 2:
+            self._shape = params
+        return NodeModel(fwd=(f0, f1), bwd=(k0, k1), min_batch=min_batch,
+                         max_batch=max_batch, name=name)
+
+    def _params(self) -> tuple[float, float, float, float] | None:
+        """``(f0, f1, k0, k1)`` from the window, or None without a non-zero batch."""
+        if not self._samples:
+            return None
+        b, fwd, bwd = np.array(self._samples, dtype=np.float64).T
+        if np.unique(b).size >= 2:
+            return (*_robust_line(b, fwd), *_robust_line(b, bwd))
+        at = float(b[0])
+        fwd_level, bwd_level = float(np.median(fwd)), float(np.median(bwd))
+        if self._shape is not None:
+            f0, f1, k0, k1 = self._shape
+            fs = _rescale(fwd_level, f0 + f1 * at)
+            ks = _rescale(bwd_level, k0 + k1 * at)
+            return f0 * fs, f1 * fs, k0 * ks, k1 * ks
+        if at > 0:
+            return 0.0, fwd_level / at, 0.0, bwd_level / at
+        return None
+
+
+def _change_point(log_ratio: FloatArray) -> int:
+    """Where a lasting shift in measured/predicted time starts (0: none found).
+
+    Stragglers are first clipped to ``OUTLIER_SIGMAS`` robust deviations; then, for
+    every split with at least ``DRIFT_MIN_SEGMENT`` samples on each side, the mean shift
+    is compared with its standard error (a two-sample z statistic, all splits at once).
+    A split counts if ``z > DRIFT_SIGMAS`` and the shift exceeds ``DRIFT_MIN_CHANGE``.
+    """
+    n = log_ratio.size
+    if n < 2 * DRIFT_MIN_SEGMENT:
+        return 0
+    centre = float(np.median(log_ratio))
+    scale = 1.4826 * float(np.median(np.abs(log_ratio - centre)))
+    x = np.clip(log_ratio, centre - OUTLIER_SIGMAS * scale, centre + OUTLIER_SIGMAS * scale)
+    split = np.arange(DRIFT_MIN_SEGMENT, n - DRIFT_MIN_SEGMENT + 1)
+    s1 = np.cumsum(x)[split - 1]
+    s2 = np.cumsum(x * x)[split - 1]
+    before, after = split.astype(np.float64), (n - split).astype(np.float64)
+    mean_a, mean_b = s1 / before, (x.sum() - s1) / after
+    within = (s2 - before * mean_a**2) + ((x * x).sum() - s2 - after * mean_b**2)
+    sd = np.sqrt(np.maximum(within, 0.0) / (n - 2)) + _SCALE_FLOOR
+    shift = np.abs(mean_b - mean_a)
+    z = shift / (sd * np.sqrt(1.0 / before + 1.0 / after))
+    z = np.where(shift > math.log1p(DRIFT_MIN_CHANGE), z, 0.0)
+    best = int(np.argmax(z))
+    return int(split[best]) if z[best] > DRIFT_SIGMAS else 0
+
+
+def _rescale(measured: float, predicted: float) -> float:
+    return measured / predicted if predicted > 0 else 1.0
+
+
+@dataclass
+class CommFitter:
+    """Learns the :class:`CommModel` from per-step bucket measurements (robust medians).
+
+    Each sample holds, per bucket in ready order, the fraction of the backward done when
+    it became ready and its all-reduce seconds. If the number of buckets changes (DDP
+    rebuilds its buckets after the first step) the window restarts with the new layout.
+    """
+
+    window: int = 64
+    _samples: deque[tuple[tuple[float, ...], tuple[float, ...]]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.window) or self.window < 1:
+            raise ValueError(f"window={self.window!r} must be an integer >= 1")
+        self._samples = deque(maxlen=self.window)
+
+    @property
+    def num_samples(self) -> int:
+        """Accepted samples currently in the window."""
+        return len(self._samples)
+
+    def add(self, ready_fractions: Sequence[float], allreduce_s: Sequence[float]) -> bool:
+        """Record one step; returns False (and logs) for a malformed sample, never raises."""
+        rho = tuple(float(r) for r in ready_fractions)
+        cost = tuple(float(c) for c in allreduce_s)
+        valid = (
+            len(rho) == len(cost) > 0
+            and all(math.isfinite(r) and -1e-9 <= r <= 1 + 1e-9 for r in rho)
+            and all(math.isfinite(c) and c >= 0 for c in cost)
+        )
+        if not valid:
+            logger.warning(
+                "rejected comm sample (ready_fractions=%r, allreduce_s=%r): need equal "
+                "non-zero lengths, fractions in [0, 1], finite times >= 0",
+                ready_fractions, allreduce_s,
+            )
+            return False
+        if self._samples and len(self._samples[-1][0]) != len(rho):
+            logger.debug("bucket count changed %d -> %d: comm window restarts",
+                         len(self._samples[-1][0]), len(rho))
+            self._samples.clear()
+        self._samples.append((rho, cost))
+        return True
+
+    def fit(self) -> CommModel | None:
+        """Median ready fraction and all-reduce time per bucket, or None before any sample."""
+        if not self._samples:
+            return None
+        rho = np.median(np.array([s[0] for s in self._samples]), axis=0)
+        cost = np.median(np.array([s[1] for s in self._samples]), axis=0)
+        rho = np.maximum.accumulate(np.clip(rho, 0.0, 1.0))
+        rho[-1] = 1.0
+        return CommModel(buckets=[(float(r), float(c)) for r, c in zip(rho, cost, strict=True)])
+
+
+@dataclass
+class PredictionTracker:
+    """How well the model predicts the steps it later observes.
+
+    ``record`` each step's predicted and measured seconds; ``end_window`` at each re-plan.
+    Per-step errors are noisy (timing CV 0.3-0.9 on shared cores); the window error
+    ``|mean pred - mean meas| / mean meas`` is what the planner is accountable for.
+    At most ``max_history`` errors of each kind are kept.
+    """
+
+    max_history: int = 100_000
+    _steps: deque[float] = field(init=False, repr=False)
+    _windows: deque[float] = field(init=False, repr=False)
+    _pred_sum: float = field(default=0.0, init=False, repr=False)
+    _meas_sum: float = field(default=0.0, init=False, repr=False)
+    _count: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_history) or self.max_history < 1:
+            raise ValueError(f"max_history={self.max_history!r} must be an integer >= 1")
+        self._steps = deque(maxlen=self.max_history)
+        self._windows = deque(maxlen=self.max_history)
+
+    def record(self, predicted_s: float, measured_s: float) -> bool:
+        """Add one step; returns False (and logs) unless both are finite and measured > 0."""
+        pred, meas = float(predicted_s), float(measured_s)
+        if not (math.isfinite(pred) and math.isfinite(meas) and pred >= 0 and meas > 0):
+            logger.warning("rejected prediction sample (predicted_s=%r, measured_s=%r)",
+                           predicted_s, measured_s)
+            return False
+        self._steps.append(abs(pred - meas) / meas)
+        self._pred_sum += pred
+        self._meas_sum += meas
+        self._count += 1
+        return True
+
+    def end_window(self) -> None:
+        """Close the current window (call at each re-plan); an empty window is ignored."""
+        if self._count:
+            self._windows.append(abs(self._pred_sum - self._meas_sum) / self._meas_sum)
+        self._pred_sum = self._meas_sum = 0.0
+        self._count = 0
+
+    def window_errors(self) -> list[float]:
+        """Relative error of the mean prediction, per completed window."""
+        return list(self._windows)
+
+    def step_errors(self) -> list[float]:
+        """``|pred - meas| / meas`` per recorded step."""
+        return list(self._steps)
+
+    def median_window_error(self) -> float:
+        """Median of :meth:`window_errors`; NaN when there is none."""
+        return float(np.median(self._windows)) if self._windows else math.nan
+
+    def median_step_error(self) -> float:
+        """Median of :meth:`step_errors`; NaN when there is none."""
+        return float(np.median(self._steps)) if self._steps else math.nan

@@ -1,0 +1,177 @@
+"""HeteroDataLoader: each step, this rank's uneven share of the next B samples.
+
+Index logic lives in :class:`~cannikin.runtime.sampler.UnevenSampler` (pure, tested
+in one process); this class asks its controller (the :class:`HeteroDataParallel`
+it is attached to) for the current total batch and split right before taking each
+step's indices, and fetches the samples itself with no prefetching, so a batch is
+never drawn with a stale plan. The final partial batch of an epoch is re-planned for
+the remainder (or dropped with ``drop_last=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from cannikin.runtime.sampler import UnevenSampler
+
+Batch = Any
+
+
+class StepController(Protocol):
+    """What the loader needs from the runtime each step."""
+
+    @property
+    def total_batch(self) -> int: ...
+
+    def split_for(self, total: int) -> tuple[int, ...]: ...
+
+    def begin_step(self, split: tuple[int, ...]) -> None: ...
+
+
+@dataclass
+class _EvenSplit:
+    """Controller of a loader used without HeteroDataParallel: fixed B, even split."""
+
+    batch_size: int
+    world_size: int
+
+    @property
+    def total_batch(self) -> int:
+        return self.batch_size
+
+    def split_for(self, total: int) -> tuple[int, ...]:
+        n = self.world_size
+        return tuple(total // n + (1 if i < total % n else 0) for i in range(n))
+
+    def begin_step(self, split: tuple[int, ...]) -> None:
+        """Nothing to prepare."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Autoscale:
+    """Goodput-adaptive total batch: B in [batch_size, max_batch_size]."""
+
+    max_batch_size: int
+    local_bsz_bounds: tuple[int, int | None]
+
+
+def _empty_like(sample: Any) -> Any:
+    """A zero-length batch with the structure of ``sample`` (for a worker given b_i = 0)."""
+    if isinstance(sample, torch.Tensor):
+        return sample[:0]
+    if isinstance(sample, tuple | list):
+        return type(sample)(_empty_like(s) for s in sample)
+    if isinstance(sample, dict):
+        return {k: _empty_like(v) for k, v in sample.items()}
+    return sample
+
+
+class HeteroDataLoader:
+    """Iterates one epoch per ``for`` loop, yielding this rank's local batch of each step.
+
+    Every index of an epoch is used exactly once, whatever the splits and however often
+    they change; breaking out of the loop and iterating again resumes the same epoch.
+    ``rank``/``world_size`` default to the default process group (or 0/1 without one);
+    HeteroDataParallel sets them when it attaches.
+    """
+
+    def __init__(self, dataset: Dataset[Any], batch_size: int, *, seed: int = 0,
+                 drop_last: bool = False, collate_fn: Callable[[list[Any]], Batch] | None = None,
+                 rank: int | None = None, world_size: int | None = None) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        size = len(dataset)  # type: ignore[arg-type]
+        if size < batch_size and drop_last:
+            raise ValueError(f"dataset of {size} samples is smaller than one batch "
+                             f"({batch_size}) and drop_last=True: no step would run")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn or default_collate
+        self.sampler = UnevenSampler(size, seed=seed, drop_last=drop_last)
+        if world_size is None:
+            initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+            world_size = torch.distributed.get_world_size() if initialized else 1
+            rank = torch.distributed.get_rank() if initialized else 0
+        self.rank = 0 if rank is None else rank
+        self.world_size = world_size
+        self.autoscale: Autoscale | None = None
+        self.controller: StepController = _EvenSplit(batch_size, world_size)
+        self._before_take: dict[str, int | bool] | None = None
+
+    # -- configuration -----------------------------------------------------------------------------
+    def autoscale_batch_size(self, max_batch_size: int,
+                             local_bsz_bounds: tuple[int, int | None] | None = None) -> None:
+        """Let the total batch grow from ``batch_size`` up to ``max_batch_size`` by goodput.
+
+        ``local_bsz_bounds=(lo, hi)`` bounds every worker's local batch (hi None: no bound).
+        Without this call the total stays ``batch_size`` and only the split adapts.
+        Call it before wrapping the model in HeteroDataParallel.
+        """
+        if not isinstance(max_batch_size, int) or max_batch_size < self.batch_size:
+            raise ValueError(f"max_batch_size must be an integer >= batch_size "
+                             f"({self.batch_size}), got {max_batch_size!r}")
+        lo, hi = local_bsz_bounds if local_bsz_bounds is not None else (1, None)
+        if not isinstance(lo, int) or lo < 1 or (hi is not None and (
+                not isinstance(hi, int) or hi < lo)):
+            raise ValueError(f"local_bsz_bounds must be (lo, hi) with 1 <= lo <= hi (hi may be "
+                             f"None), got {local_bsz_bounds!r}")
+        self.autoscale = Autoscale(max_batch_size=max_batch_size, local_bsz_bounds=(lo, hi))
+
+    def attach(self, controller: StepController, rank: int, world_size: int) -> None:
+        """Called by HeteroDataParallel: it plans the steps of this loader from now on."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.controller, self.rank, self.world_size = controller, rank, world_size
+
+    # -- iteration ---------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def __len__(self) -> int:
+        """Steps left in this epoch at the current total batch."""
+        total = self.controller.total_batch
+        left = self.sampler.remaining()
+        return left // total if self.sampler.drop_last else -(-left // total)
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            total = self.sampler.next_total(self.controller.total_batch)
+            if total == 0:
+                break
+            split = self.controller.split_for(total)
+            self._before_take = self.sampler.state_dict()
+            indices = self.sampler.take(split, self.rank)
+            self.controller.begin_step(tuple(split))
+            yield self._fetch(indices.tolist())
+        self.sampler.new_epoch()
+
+    def rewind(self) -> None:
+        """Give back the last step's samples (its update was skipped): they come again next."""
+        if self._before_take is None:
+            raise RuntimeError("rewind() before any step was taken")
+        self.sampler.load_state_dict(self._before_take)
+        self._before_take = None
+
+    def _fetch(self, indices: Sequence[int]) -> Batch:
+        if isinstance(self.dataset, TensorDataset):
+            index = torch.as_tensor(indices, dtype=torch.long)
+            return tuple(t[index] for t in self.dataset.tensors)
+        if not indices:
+            return _empty_like(self.collate_fn([self.dataset[0]]))
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(list(indices)) if getitems else [self.dataset[i] for i in indices]
+        return self.collate_fn(samples)
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int | bool]:
+        """The epoch and position in its permutation (plain integers)."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)

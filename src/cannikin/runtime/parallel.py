@@ -1,0 +1,373 @@
+"""HeteroDataParallel: DDP with an uneven, planned split and exact mean gradients.
+
+Per step (driven by :class:`~cannikin.runtime.loader.HeteroDataLoader` and the
+optimizer's public step hooks):
+
+1. the loader takes this rank's b_i of the next B samples and calls :meth:`begin_step`,
+   which sets the all-reduce weight b_i / B;
+2. ``model(x)`` runs DDP's forward and marks where the backward starts (a hook on the
+   output's gradient);
+3. ``loss.backward()``: the comm hook (:mod:`cannikin.runtime.comm`) captures |g_i|^2,
+   scales each bucket and all-reduces a sum, marking bucket-ready and done times;
+4. ``optimizer.step()``: the pre-hook turns the marks into a
+   :class:`~cannikin.runtime.planner.StepReport`, all-gathers it (the one extra
+   collective per step), feeds the planner and the noise scale, applies the LR factor
+   and re-plans on the cadence; the post-hook restores the LR and logs metrics.
+
+The cycle of a step runs from the end of the previous backward to the end of this one,
+so F_i (``fwd_s``) covers the optimizer step, data loading and the forward, and the
+measured step time is the period of the synchronous loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from cannikin.optperf import Plan
+from cannikin.perf import ClusterModel, PredictionTracker
+from cannikin.runtime.comm import CommState, weighted_allreduce_hook
+from cannikin.runtime.loader import HeteroDataLoader
+from cannikin.runtime.planner import Planner, PlannerConfig, PlanRecord, StepReport
+from cannikin.runtime.precondition import Preconditioner
+from cannikin.runtime.timing import Clock, clock_for
+from cannikin.scaling import LRScaler
+
+logger = logging.getLogger(__name__)
+
+SLOWDOWN_ENV = "CANNIKIN_SLOWDOWN"
+DEFAULT_SLOWDOWN_PROFILE = (0.004, 0.0004)
+"""Emulated reference forward: 4 ms + 0.4 ms per sample (a small MLP on this machine)."""
+_STATE_VERSION = 1
+
+
+class MetricsSink(Protocol):
+    def log(self, metrics: dict[str, Any], step: int) -> None: ...
+
+
+def _first_grad_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(items, tuple | list) or isinstance(value, dict):
+        for item in items:
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple | list):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+class HeteroDataParallel(nn.Module):
+    """Data-parallel training over workers of different speeds and memory.
+
+    ``split``: "optimal" plans the split by OptPerf; "even" keeps the DDP split (the
+    baseline, measured the same way). ``lr_scaling``: "adascale", "linear", "sqrt" or
+    "none" (applied when the total batch differs from the loader's ``batch_size``).
+    ``replan_every``: steps between re-plans after ``warmup_steps`` even-split steps.
+    ``metrics``: a sink with ``log(metrics, step)``, called on rank 0 every step.
+    ``max_local_batch``: this rank's memory cap (int), or one per rank; an out-of-memory
+    in forward lowers this rank's cap automatically. ``slowdown``: heterogeneity
+    emulation factor for this rank; None reads ``CANNIKIN_SLOWDOWN`` if it is set.
+    ``slowdown_profile``: (fixed_s, per_sample_s) of the emulated reference device's
+    forward (backward takes twice as long); set it above the real compute time.
+    ``device_name``: the key under which this worker's fitted model is cached.
+    Extra keyword arguments go to DistributedDataParallel.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 loader: HeteroDataLoader, *, split: str = "optimal",
+                 lr_scaling: str = "adascale", replan_every: int = 5, warmup_steps: int = 3,
+                 metrics: MetricsSink | None = None,
+                 max_local_batch: int | Sequence[int | None] | None = None,
+                 slowdown: float | None = None,
+                 slowdown_profile: tuple[float, float] = DEFAULT_SLOWDOWN_PROFILE,
+                 device_name: str | None = None, **ddp_kwargs: Any) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("HeteroDataParallel needs a process group: call "
+                               "cannikin.runtime.init_distributed() first")
+        if not optimizer.param_groups:
+            raise ValueError("the optimizer has no param groups")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        first = next(module.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.optimizer = optimizer
+        self.loader = loader
+        self.metrics = metrics
+        self._emulation = self._install_slowdown(module, slowdown, slowdown_profile)
+        if self.device.type == "cuda":
+            ddp_kwargs.setdefault("device_ids", [self.device])
+        self.ddp = DistributedDataParallel(module, **ddp_kwargs)
+        self.clock: Clock = clock_for(self.device)
+        self.comm = CommState(clock=self.clock, transform=Preconditioner(optimizer))
+        self.ddp.register_comm_hook(self.comm, weighted_allreduce_hook)
+        caps, names = self._gather_identity(max_local_batch, device_name)
+        auto = loader.autoscale
+        lo, hi = auto.local_bsz_bounds if auto is not None else (1, None)
+        self.planner = Planner(PlannerConfig(
+            world_size=self.world_size, init_batch=loader.batch_size, split=split,
+            replan_every=replan_every, warmup_steps=warmup_steps,
+            max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
+            max_local=hi, caps=caps, names=names), log_plans=self.rank == 0)
+        self.scaler = LRScaler(optimizer, lr_scaling, init_batch=loader.batch_size)
+        self.step = 0
+        self.last_metrics: dict[str, Any] = {}
+        self._split: tuple[int, ...] | None = None
+        self._prev_mark: Any = None
+        self._bwd_start: Any = None
+        self._oom = False
+        self._stepping = False
+        self._scaled = False
+        self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
+                       optimizer.register_step_post_hook(self._after_optimizer_step)]
+        loader.attach(self, self.rank, self.world_size)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _install_slowdown(self, module: nn.Module, slowdown: float | None,
+                          profile: tuple[float, float]) -> Any:
+        if slowdown is None and not os.environ.get(SLOWDOWN_ENV):
+            return None
+        from cannikin.runtime.emulate import install_slowdown, slowdown_from_env
+
+        factor = slowdown_from_env(self.rank) if slowdown is None else float(slowdown)
+        logger.info("emulating a device %.3gx slower than this one (rank %d)", factor,
+                    self.rank)
+        return install_slowdown(module, factor, fixed_s=profile[0], per_sample_s=profile[1])
+
+    def _gather_identity(self, max_local_batch: int | Sequence[int | None] | None,
+                         device_name: str | None) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
+        """Every rank's memory cap and device name (one all-gather at start-up)."""
+        if isinstance(max_local_batch, Sequence):
+            if len(max_local_batch) != self.world_size:
+                raise ValueError(f"max_local_batch has {len(max_local_batch)} entries, expected "
+                                 f"one per worker ({self.world_size})")
+            mine: int | None = max_local_batch[self.rank]
+        else:
+            mine = max_local_batch
+        if mine is not None and (not isinstance(mine, int) or mine < 1):
+            raise ValueError(f"max_local_batch must be an integer >= 1 or None, got {mine!r}")
+        if device_name is None:
+            device_name = (torch.cuda.get_device_name(self.device)
+                           if self.device.type == "cuda" else "cpu")
+            if self._emulation is not None:
+                device_name += f"/slowdown={self._emulation.factor:g}"
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (mine, device_name))
+        return tuple(g[0] for g in gathered), tuple(g[1] for g in gathered)
+
+    # -- exposed state ---------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The user's model (save its state_dict)."""
+        module: nn.Module = self.ddp.module
+        return module
+
+    @property
+    def plan(self) -> Plan:
+        """The split in force: local batches and predicted step time (NaN before a model)."""
+        record = self.planner.current
+        pred = record.predicted_step_s
+        return Plan(local_batches=record.local_batches,
+                    step_time=math.nan if pred is None else pred)
+
+    @property
+    def plan_history(self) -> list[PlanRecord]:
+        return self.planner.history
+
+    @property
+    def cluster_model(self) -> ClusterModel | None:
+        return self.planner.cluster_model
+
+    @property
+    def prediction_tracker(self) -> PredictionTracker:
+        return self.planner.tracker
+
+    @property
+    def noise_scale(self) -> float | None:
+        return self.planner.noise.noise_scale()
+
+    @property
+    def total_batch(self) -> int:
+        return self.planner.total_batch
+
+    def split_for(self, total: int) -> tuple[int, ...]:
+        return self.planner.split_for(total)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def begin_step(self, split: tuple[int, ...]) -> None:
+        """The loader hands out this step's split: set the weight, reset the records."""
+        total = sum(split)
+        self._split = split
+        self.comm.begin_step(split[self.rank] / total)
+        self._bwd_start = None
+        self._oom = False
+        self._stepping = True
+        if self._prev_mark is None:
+            self._prev_mark = self.clock.mark()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            out = self.ddp(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            if not (self._stepping and torch.is_grad_enabled()):
+                raise
+            out = self._placeholder_after_oom(args, kwargs)
+        if self._stepping and torch.is_grad_enabled() and self._bwd_start is None:
+            tensor = _first_grad_tensor(out)
+            if tensor is not None:
+                tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
+        return out
+
+    def _mark_backward_start(self, grad: torch.Tensor) -> None:
+        if self._bwd_start is None:
+            self._bwd_start = self.clock.mark()
+
+    def _placeholder_after_oom(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Out of memory in forward: run one sample so every collective still lines up.
+
+        The output is that sample's, repeated to the local batch so the user's loss still
+        computes; the step's update is skipped on every rank and the samples come again
+        with a split under this rank's lowered cap (see :meth:`_before_optimizer_step`).
+        """
+        logger.warning("rank %d: out of memory in forward at local batch %s", self.rank,
+                       None if self._split is None else self._split[self.rank])
+        self._oom = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        batch = 0 if self._split is None else self._split[self.rank]
+        out = self.ddp(*_map_tensors(args, lambda t: t[:1]),
+                       **_map_tensors(kwargs, lambda t: t[:1]))
+        return _map_tensors(out, lambda t: t.expand(batch, *t.shape[1:]))
+
+    def _measure(self) -> tuple[StepReport, Any]:
+        """This rank's report of the step that just finished its backward."""
+        clock, comm = self.clock, self.comm
+        end = clock.mark()
+        prev = self._prev_mark
+        step_s = clock.elapsed(prev, end)
+        ready = [clock.elapsed(prev, m) for m in comm.ready]
+        done = [clock.elapsed(prev, m) for m in comm.done if m is not None]
+        if self._bwd_start is not None:
+            start = clock.elapsed(prev, self._bwd_start)
+        else:  # no output hook fired (e.g. a loss not built from the output): first bucket
+            start = ready[0] if ready else step_s
+        last = ready[-1] if ready else start
+        bwd = max(last - start, 0.0)
+        fractions = [min(max((r - start) / bwd, 0.0), 1.0) if bwd > 0 else 1.0 for r in ready]
+        allreduce = []
+        previous_done = 0.0
+        for r, d in zip(ready, done, strict=False):
+            allreduce.append(max(d - max(r, previous_done), 0.0))
+            previous_done = d
+        if len(allreduce) != len(fractions):
+            fractions, allreduce = [], []
+        report = StepReport(batch=self._split[self.rank] if self._split else 0,
+                            sqnorm=comm.local_sqnorm(), fwd_s=start, bwd_s=bwd, step_s=step_s,
+                            ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce),
+                            oom=self._oom)
+        return report, end
+
+    def _global_sqnorm(self) -> float:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]
+                  if p.grad is not None]
+        precondition = self.comm.transform
+        assert isinstance(precondition, Preconditioner)
+        return float(precondition.sqnorm(params, [p.grad for p in params]).item())
+
+    def _gather(self, report: StepReport) -> list[StepReport]:
+        mine = torch.tensor(report.to_vector(), dtype=torch.float64, device=self.device)
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine)
+        return [StepReport.from_vector(p.tolist()) for p in parts]
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._stepping or self._split is None:
+            return  # a step outside HeteroDataLoader's iteration: plain DDP semantics
+        report, end = self._measure()
+        global_sqnorm = self._global_sqnorm()
+        reports = self._gather(report)
+        planned = tuple(r.batch for r in reports)
+        if planned != self._split:
+            raise RuntimeError(f"rank {self.rank} planned split {list(self._split)} but the "
+                               f"workers ran {list(planned)}: the ranks' plans diverged")
+        self._prev_mark = end
+        self._scaled = False
+        if any(r.oom for r in reports):
+            self._skip_step_after_oom(reports)
+            return
+        measured, predicted = self.planner.observe(self.step, reports, global_sqnorm)
+        noise = self.planner.noise
+        total = sum(self._split)
+        factor = self.scaler.step_begin(total, noise.grad_sqr, noise.grad_var)
+        self._scaled = True
+        self.last_metrics = {
+            "step": self.step, "epoch": self.loader.epoch, "local_batches": list(self._split),
+            "total_batch": total, "step_time_s": measured, "predicted_step_time_s": predicted,
+            "lr_factor": factor, "noise_scale": noise.noise_scale(),
+            "fwd_s": [r.fwd_s for r in reports], "bwd_s": [r.bwd_s for r in reports],
+        }
+        if self.planner.due(self.step):
+            self.planner.replan(self.step)
+
+    def _skip_step_after_oom(self, reports: Sequence[StepReport]) -> None:
+        for rank, r in enumerate(reports):
+            if r.oom:
+                self.planner.lower_cap(rank, r.batch)
+        self.planner.replan(self.step, "out of memory")
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None  # optimizers skip parameters without a gradient
+        self.loader.rewind()
+        self.last_metrics = {"step": self.step, "skipped": "out of memory"}
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._stepping:
+            return
+        self._stepping = False
+        if not self._scaled:
+            return  # skipped step (out of memory): retried with the new split
+        self.scaler.step_end()
+        if self.rank == 0 and self.metrics is not None:
+            self.metrics.log(dict(self.last_metrics), self.step)
+        self.step += 1
+
+    # -- checkpoint state ----------------------------------------------------------------------
+    def runtime_state_dict(self) -> dict[str, Any]:
+        """Planner (fitted models, total batch, noise scale), LR scaler, step: plain numbers."""
+        return {"version": _STATE_VERSION, "step": self.step,
+                "planner": self.planner.state_dict(), "lr_scaler": self.scaler.state_dict()}
+
+    def load_runtime_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`runtime_state_dict`, possibly from a run with another world size
+        (re-plans at once when every worker's device has a cached model)."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"runtime state version {state.get('version')!r} is not supported "
+                             f"(expected {_STATE_VERSION})")
+        self.step = int(state["step"])
+        self.planner.load_state_dict(state["planner"])
+        self.scaler.load_state_dict(state["lr_scaler"])
+
+    def remove_hooks(self) -> None:
+        """Detach from the optimizer and remove the emulation (the model stays wrapped)."""
+        for handle in self._hooks:
+            handle.remove()
+        if self._emulation is not None:
+            self._emulation.remove()

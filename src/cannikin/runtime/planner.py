@@ -1,0 +1,458 @@
+"""The planner loop: measurements in, the next step's split (and total batch) out.
+
+Pure numpy on top of :mod:`cannikin.perf`, :mod:`cannikin.optperf`,
+:mod:`cannikin.goodput` and :mod:`cannikin.gns`; no torch, so it is tested in one
+process. Every rank owns a :class:`Planner` and feeds it the *same* all-gathered
+:class:`StepReport` of every rank each step, so every rank computes the same plan
+deterministically (DESIGN.md §5); the runtime checks that the local batches each
+rank reports are the ones every rank planned.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cannikin.gns import NoiseScaleTracker
+from cannikin.goodput import choose_batch_size
+from cannikin.optperf import Plan, optimal_split
+from cannikin.perf import (
+    ClusterModel,
+    CommFitter,
+    CommModel,
+    NodeFitter,
+    NodeModel,
+    PredictionTracker,
+)
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("optimal", "even")
+MAX_BUCKETS = 16
+"""Buckets kept per step report; more are merged (adjacent, in ready order)."""
+_HEADER = 7  # batch, sqnorm, fwd_s, bwd_s, step_s, oom, number of buckets
+REPORT_SIZE = _HEADER + 2 * MAX_BUCKETS
+OOM_CAP_FACTOR = 0.8
+"""After an out-of-memory at local batch b, that worker's cap becomes floor(0.8 b)."""
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """One rank's measurements of one step (what the per-step all-gather carries)."""
+
+    batch: int
+    """Local batch b_i of the step."""
+    sqnorm: float
+    """|g_i|^2 of the local mean gradient before the all-reduce (preconditioned)."""
+    fwd_s: float
+    """F_i: everything outside backward (data, forward, previous optimizer step)."""
+    bwd_s: float
+    """K_i: backward compute, from its start until the last bucket is ready."""
+    step_s: float
+    """Measured period of the whole step on this rank."""
+    ready_fractions: tuple[float, ...] = ()
+    """Per bucket, in ready order: fraction of this rank's backward done when it was ready."""
+    allreduce_s: tuple[float, ...] = ()
+    """Per bucket: this rank's view of the all-reduce time (includes waiting for peers)."""
+    oom: bool = False
+    """The step ran out of memory on this rank."""
+
+    def to_vector(self) -> list[float]:
+        """Fixed-length float encoding (:data:`REPORT_SIZE`) for one all-gather."""
+        ready, comm = merge_buckets(self.ready_fractions, self.allreduce_s, MAX_BUCKETS)
+        pad = [0.0] * (MAX_BUCKETS - len(ready))
+        return [float(self.batch), self.sqnorm, self.fwd_s, self.bwd_s, self.step_s,
+                float(self.oom), float(len(ready)), *ready, *pad, *comm, *pad]
+
+    @staticmethod
+    def from_vector(values: Sequence[float]) -> StepReport:
+        if len(values) != REPORT_SIZE:
+            raise ValueError(f"a step report has {REPORT_SIZE} values, got {len(values)}")
+        m = int(values[6])
+        ready = values[_HEADER:_HEADER + m]
+        comm = values[_HEADER + MAX_BUCKETS:_HEADER + MAX_BUCKETS + m]
+        return StepReport(batch=int(values[0]), sqnorm=float(values[1]),
+                          fwd_s=float(values[2]), bwd_s=float(values[3]),
+                          step_s=float(values[4]), oom=bool(values[5]),
+                          ready_fractions=tuple(float(v) for v in ready),
+                          allreduce_s=tuple(float(v) for v in comm))
+
+
+def merge_buckets(ready: Sequence[float], allreduce: Sequence[float],
+                  max_buckets: int) -> tuple[list[float], list[float]]:
+    """At most ``max_buckets`` groups of adjacent buckets: last ready fraction, summed time."""
+    if len(ready) != len(allreduce):
+        raise ValueError(f"{len(ready)} ready fractions but {len(allreduce)} all-reduce times")
+    n = len(ready)
+    if n <= max_buckets:
+        return list(ready), list(allreduce)
+    edges = np.linspace(0, n, max_buckets + 1).round().astype(int)
+    return ([float(ready[b - 1]) for b in edges[1:]],
+            [float(sum(allreduce[a:b])) for a, b in zip(edges[:-1], edges[1:], strict=True)])
+
+
+def capped_even_split(total: int, caps: Sequence[int | None]) -> tuple[int, ...]:
+    """As even as the caps allow: b_i = min(cap_i, L), the rest one each by rank order."""
+    n = len(caps)
+    limit = [total if c is None else min(c, total) for c in caps]
+    if sum(limit) < total:
+        raise ValueError(f"total batch {total} exceeds the sum of the local caps {list(caps)}")
+    lo, hi = 0, total  # largest level L with sum(min(cap_i, L)) <= total
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sum(min(c, mid) for c in limit) <= total:
+            lo = mid
+        else:
+            hi = mid - 1
+    split = [min(c, lo) for c in limit]
+    rest = total - sum(split)
+    for i in range(n):
+        if rest and split[i] < limit[i]:
+            split[i] += 1
+            rest -= 1
+    return tuple(split)
+
+
+@dataclass(kw_only=True)
+class PlannerConfig:
+    """How the planner plans; identical on every rank."""
+
+    world_size: int
+    """Number of workers."""
+    init_batch: int
+    """B0: the total batch to start with (and keep, unless ``max_batch`` is set)."""
+    split: str = "optimal"
+    """"optimal" (OptPerf) or "even" (the DDP baseline, same measurements)."""
+    replan_every: int = 5
+    """K: re-plan after every K steps once warm."""
+    warmup_steps: int = 3
+    """Steps on the even split before the first plan."""
+    skip_steps: int = 1
+    """First steps whose timings are not fitted (DDP bucket rebuild, allocator warm-up)."""
+    max_batch: int | None = None
+    """Adaptive total batch up to this (goodput); None keeps B0."""
+    min_local: int = 1
+    """Smallest local batch a worker is planned (``local_bsz_bounds[0]``)."""
+    max_local: int | None = None
+    """Largest local batch for every worker (``local_bsz_bounds[1]``)."""
+    caps: tuple[int | None, ...] = ()
+    """Per-worker largest local batch (memory); () for none."""
+    names: tuple[str, ...] = ()
+    """Per-worker device name, the key of cached models; () for "worker<i>"."""
+    gns_smoothing: float = 0.9
+    """Per-step smoothing of the noise-scale average (see NoiseScaleTracker)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
+        if self.init_batch < 1:
+            raise ValueError(f"init_batch (batch_size) must be >= 1, got {self.init_batch}")
+        if self.replan_every < 1:
+            raise ValueError(f"replan_every must be >= 1, got {self.replan_every}")
+        if self.warmup_steps < 1 or self.skip_steps < 0 or self.skip_steps >= self.warmup_steps:
+            raise ValueError(f"need 0 <= skip_steps ({self.skip_steps}) < warmup_steps "
+                             f"({self.warmup_steps})")
+        if self.max_batch is not None and self.max_batch < self.init_batch:
+            raise ValueError(f"max_batch_size {self.max_batch} is below batch_size "
+                             f"{self.init_batch}")
+        if self.min_local < 0 or (self.max_local is not None and self.max_local < self.min_local):
+            raise ValueError(f"local_bsz_bounds ({self.min_local}, {self.max_local}) must "
+                             "satisfy 0 <= lo <= hi")
+        if not self.caps:
+            self.caps = (None,) * self.world_size
+        if not self.names:
+            self.names = tuple(f"worker{i}" for i in range(self.world_size))
+        if len(self.caps) != self.world_size or len(self.names) != self.world_size:
+            raise ValueError(f"caps {self.caps} and names {self.names} need one entry per "
+                             f"worker ({self.world_size})")
+        for cap in self.caps:
+            if cap is not None and cap < max(self.min_local, 1):
+                raise ValueError(f"local batch cap {cap} is below the smallest local batch "
+                                 f"{max(self.min_local, 1)}")
+        largest = self.max_batch or self.init_batch
+        room = [self.cap_of(i) for i in range(self.world_size)]
+        if None not in room and sum(r for r in room if r is not None) < self.init_batch:
+            raise ValueError(f"batch_size {self.init_batch} does not fit the local caps {room}")
+        if self.min_local * self.world_size > largest:
+            raise ValueError(f"local_bsz_bounds lo={self.min_local} times {self.world_size} "
+                             f"workers exceeds the largest total batch {largest}")
+
+    def cap_of(self, rank: int) -> int | None:
+        """Worker ``rank``'s largest local batch (memory cap and upper bound together)."""
+        caps = [c for c in (self.caps[rank], self.max_local) if c is not None]
+        return min(caps) if caps else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRecord:
+    """A plan as logged and exposed: when, why, what, and the models behind it."""
+
+    step: int
+    reason: str
+    total_batch: int
+    local_batches: tuple[int, ...]
+    predicted_step_s: float | None
+    nodes: tuple[NodeModel, ...] | None = None
+    comm: CommModel | None = None
+    noise_scale: float | None = None
+
+
+@dataclass
+class Planner:
+    """Fits the cluster from step reports and re-plans on a cadence; same on every rank."""
+
+    config: PlannerConfig
+    log_plans: bool = True
+    """Log each plan and the fitted models at INFO (the runtime sets it on rank 0 only)."""
+    fitters: list[NodeFitter] = field(init=False)
+    comm_fitter: CommFitter = field(init=False)
+    tracker: PredictionTracker = field(init=False)
+    noise: NoiseScaleTracker = field(init=False)
+    cluster_model: ClusterModel | None = field(default=None, init=False)
+    current: PlanRecord = field(init=False)
+    history: list[PlanRecord] = field(default_factory=list, init=False)
+    cached: dict[str, NodeModel] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        self.fitters = [NodeFitter() for _ in range(cfg.world_size)]
+        self.comm_fitter = CommFitter()
+        self.tracker = PredictionTracker()
+        self.noise = NoiseScaleTracker(smoothing=cfg.gns_smoothing)
+        self.current = self._record(0, "start", self._even(cfg.init_batch), None)
+
+    # -- what the loader and the runtime ask -------------------------------------------------
+    @property
+    def total_batch(self) -> int:
+        return self.current.total_batch
+
+    @property
+    def local_batches(self) -> tuple[int, ...]:
+        return self.current.local_batches
+
+    def split_for(self, total: int) -> tuple[int, ...]:
+        """The split of ``total`` samples: the plan, or a fresh one for a final partial batch."""
+        if total == self.current.total_batch:
+            return self.current.local_batches
+        if total > self.current.total_batch or total < 0:
+            raise ValueError(f"a step takes at most the planned {self.current.total_batch} "
+                             f"samples, asked for {total}")
+        if self.cluster_model is not None and self.config.split == "optimal":
+            # every worker keeps at least one sample while there are enough to go round
+            lo = min(self.config.min_local, total // self.config.world_size)
+            try:
+                return optimal_split(self._bounded(self.cluster_model, min_local=lo),
+                                     total).local_batches
+            except ValueError as exc:
+                logger.debug("partial batch %d: optimal split infeasible (%s), even", total, exc)
+        return self._even(total)
+
+    def predicted(self, local_batches: Sequence[int]) -> float | None:
+        """Step time the model in force predicts for ``local_batches`` (None without one)."""
+        if self.cluster_model is None:
+            return None
+        return float(self.cluster_model.step_time(list(local_batches)))
+
+    def due(self, step: int) -> bool:
+        """Whether to re-plan after step ``step`` (0-based)."""
+        done = step + 1 - self.config.warmup_steps
+        return done >= 0 and done % self.config.replan_every == 0
+
+    # -- feeding it ----------------------------------------------------------------------------
+    def observe(self, step: int, reports: Sequence[StepReport],
+                global_sqnorm: float) -> tuple[float, float | None]:
+        """Fold in one step of every rank; returns (measured, predicted) step seconds."""
+        if len(reports) != self.config.world_size:
+            raise ValueError(f"expected {self.config.world_size} step reports, got "
+                             f"{len(reports)}")
+        measured = float(np.median([r.step_s for r in reports]))
+        split = [r.batch for r in reports]
+        predicted = self.predicted(split)
+        active = [r for r in reports if r.batch > 0]
+        if len(active) >= 2:
+            self.noise.update([r.sqnorm for r in active], [r.batch for r in active],
+                              global_sqnorm)
+        if step < self.config.skip_steps:
+            return measured, predicted
+        for fitter, r in zip(self.fitters, reports, strict=True):
+            if r.batch > 0:
+                fitter.add(r.batch, r.fwd_s, r.bwd_s)
+        self._add_comm(active)
+        if predicted is not None and math.isfinite(measured):
+            self.tracker.record(predicted, measured)
+        return measured, predicted
+
+    def _add_comm(self, active: Sequence[StepReport]) -> None:
+        counts = {len(r.allreduce_s) for r in active}
+        if len(counts) != 1 or counts == {0}:
+            return  # buckets differ between ranks this step (DDP rebuild): skip it
+        ready = np.median([r.ready_fractions for r in active], axis=0)
+        # the last rank to have a bucket ready waits for nobody: min over ranks is the
+        # all-reduce itself
+        comm = np.min([r.allreduce_s for r in active], axis=0)
+        ready = np.clip(np.maximum.accumulate(ready), 0.0, 1.0)
+        ready[-1] = 1.0
+        self.comm_fitter.add(ready.tolist(), comm.tolist())
+
+    # -- deciding --------------------------------------------------------------------------------
+    def replan(self, step: int, reason: str = "cadence") -> PlanRecord:
+        """Refit the cluster and choose the split (and total batch) from the next step on."""
+        self.tracker.end_window()
+        cluster = self._fit()
+        cfg = self.config
+        total = self._fitting_total(self.current.total_batch)
+        noise = self.noise.noise_scale()
+        if cluster is None:
+            record = self._record(step, reason, self._even(total), None, noise=noise)
+        else:
+            self.cluster_model = cluster
+            if cfg.max_batch is not None and noise is not None and cfg.world_size >= 2:
+                choice = choose_batch_size(cluster, noise, cfg.init_batch, cfg.max_batch,
+                                           current=total)
+                total = choice.total_batch
+                plan = choice.plan
+            else:
+                plan = optimal_split(cluster, total)
+            if cfg.split == "even":
+                even = self._even(total)
+                plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
+            record = self._record(step, reason, plan.local_batches, plan.step_time,
+                                  cluster=cluster, noise=noise)
+        self.current = record
+        if self.log_plans:
+            self._log(record, cluster)
+        return record
+
+    def _log(self, record: PlanRecord, cluster: ClusterModel | None) -> None:
+        logger.info("plan at step %d (%s): B=%d split=%s predicted=%s noise_scale=%s",
+                    record.step, record.reason, record.total_batch, list(record.local_batches),
+                    "n/a" if record.predicted_step_s is None
+                    else f"{record.predicted_step_s * 1e3:.1f} ms", record.noise_scale)
+        if cluster is not None:
+            logger.info("fitted models: %s; comm %s", list(cluster.nodes), cluster.comm)
+
+    def lower_cap(self, rank: int, failed_batch: int) -> int:
+        """Worker ``rank`` ran out of memory at ``failed_batch``: lower its cap; return it."""
+        floor = max(self.config.min_local, 1)
+        cap = max(floor, min(failed_batch - 1, math.floor(OOM_CAP_FACTOR * failed_batch)))
+        if failed_batch <= floor:
+            raise RuntimeError(f"worker {rank} ran out of memory at local batch {failed_batch}, "
+                               f"the smallest allowed ({floor}); nothing smaller to try")
+        caps = list(self.config.caps)
+        old = caps[rank]
+        cap = cap if old is None else min(old, cap)
+        caps[rank] = cap
+        self.config.caps = tuple(caps)
+        logger.warning("worker %d ran out of memory at local batch %d; its cap is now %d",
+                       rank, failed_batch, cap)
+        return cap
+
+    # -- internals -------------------------------------------------------------------------------
+    def _fitting_total(self, total: int) -> int:
+        """``total``, lowered to what the caps can hold (after out-of-memory lowered them)."""
+        room = [self.config.cap_of(i) for i in range(self.config.world_size)]
+        if None in room:
+            return total
+        fits = sum(r for r in room if r is not None)
+        if fits < total:
+            logger.warning("the local caps %s hold only %d samples: total batch %d -> %d",
+                           room, fits, total, fits)
+        return min(total, fits)
+
+    def _even(self, total: int) -> tuple[int, ...]:
+        return capped_even_split(total, [self.config.cap_of(i)
+                                         for i in range(self.config.world_size)])
+
+    def _fit(self) -> ClusterModel | None:
+        cfg = self.config
+        nodes = []
+        for rank, fitter in enumerate(self.fitters):
+            name = cfg.names[rank]
+            model = fitter.fit(name=name)
+            if model is None:
+                model = self.cached.get(name)
+            if model is None:
+                return None
+            nodes.append(model)
+        comm = self.comm_fitter.fit() or CommModel()
+        return self._bounded(ClusterModel(nodes=nodes, comm=comm), min_local=cfg.min_local)
+
+    def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
+        """The same models with this config's bounds and caps applied."""
+        nodes = [NodeModel(fwd=n.fwd, bwd=n.bwd, min_batch=min_local,
+                           max_batch=self.config.cap_of(i), name=n.name)
+                 for i, n in enumerate(cluster.nodes)]
+        return ClusterModel(nodes=nodes, comm=cluster.comm)
+
+    def _record(self, step: int, reason: str, split: tuple[int, ...], predicted: float | None,
+                *, cluster: ClusterModel | None = None,
+                noise: float | None = None) -> PlanRecord:
+        record = PlanRecord(step=step, reason=reason, total_batch=sum(split),
+                            local_batches=tuple(split), predicted_step_s=predicted,
+                            nodes=None if cluster is None else tuple(cluster.nodes),
+                            comm=None if cluster is None else cluster.comm, noise_scale=noise)
+        self.history.append(record)
+        return record
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, object]:
+        """Plain numbers: fitted models by device name, total batch, caps, noise scale."""
+        models = dict(self.cached)
+        if self.cluster_model is not None:
+            models.update({n.name: n for n in self.cluster_model.nodes})
+        return {
+            "version": _STATE_VERSION,
+            "total_batch": self.current.total_batch,
+            "models": {name: [*m.fwd, *m.bwd] for name, m in models.items()},
+            "comm": [list(b) for b in self.cluster_model.comm.buckets]
+            if self.cluster_model is not None else [],
+            "noise": self.noise.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore a :meth:`state_dict`, possibly saved with another world size.
+
+        Models of device names seen before are used until this run measures its own; if
+        every worker has one, the plan is made at once (DESIGN.md §5: re-plan immediately
+        after a membership change).
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"planner state version {state.get('version')!r} is not "
+                             f"supported (expected {_STATE_VERSION})")
+        models = state["models"]
+        total = state["total_batch"]
+        if not isinstance(models, dict) or not isinstance(total, int) or total < 1:
+            raise ValueError(f"malformed planner state: models={models!r}, total={total!r}")
+        self.cached = {str(name): NodeModel(fwd=(float(v[0]), float(v[1])),
+                                            bwd=(float(v[2]), float(v[3])), name=str(name))
+                       for name, v in models.items()}
+        noise = state["noise"]
+        if isinstance(noise, dict):
+            self.noise.load_state_dict(noise)
+        comm = state["comm"]
+        room = [self.config.cap_of(i) for i in range(self.config.world_size)]
+        if None not in room:
+            total = min(total, sum(r for r in room if r is not None))
+        self.current = self._record(0, "resume", self._even(total), None)
+        if isinstance(comm, list) and comm:
+            self.comm_fitter = CommFitter()
+            cached_comm = CommModel(buckets=[(float(r), float(c)) for r, c in comm])
+        else:
+            cached_comm = CommModel()
+        if all(name in self.cached for name in self.config.names):
+            nodes = [self.cached[name] for name in self.config.names]
+            self.cluster_model = self._bounded(ClusterModel(nodes=nodes, comm=cached_comm),
+                                               min_local=self.config.min_local)
+            plan = optimal_split(self.cluster_model, total)
+            if self.config.split == "even":
+                plan = Plan(local_batches=self._even(total),
+                            step_time=self.cluster_model.step_time(list(self._even(total))))
+            self.current = self._record(0, "resume with cached models", plan.local_batches,
+                                        plan.step_time, cluster=self.cluster_model)

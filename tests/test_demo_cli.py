@@ -1,0 +1,117 @@
+"""`cannikin demo` argument handling: defaults, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from cannikin.cli import _Parser
+from cannikin.cli import demo as demo_cli
+from cannikin.demo.config import DemoConfig, default_speeds, machine_worker_limit
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog="cannikin")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    demo_cli.register(sub)
+    return parser.parse_args(["demo", *argv])
+
+
+def config_of(argv: list[str]) -> DemoConfig:
+    config: DemoConfig = demo_cli._config(parse(argv))
+    return config
+
+
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Parse and validate argv, expecting exit status 2; return the single stderr line."""
+    with pytest.raises(SystemExit) as exit_info:
+        config_of(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_defaults_are_four_workers_with_speeds_1_1_2_4() -> None:
+    config = config_of([])
+    assert config.speeds == (1.0, 1.0, 2.0, 4.0)
+    assert config.epochs == demo_cli.DEFAULT_EPOCHS and config.steps is None
+    assert not config.adaptive_batch
+    assert config.slowdowns == (4.0, 4.0, 2.0, 1.0)
+
+
+def test_speeds_set_the_worker_count_and_options_are_passed() -> None:
+    config = config_of(["--speeds", "1,2,4", "--steps", "12", "--adaptive-batch",
+                        "--batch-size", "32", "--seed", "3"])
+    assert config.speeds == (1.0, 2.0, 4.0)
+    assert (config.steps, config.epochs, config.batch_size, config.seed) == (12, None, 32, 3)
+    assert config.adaptive_batch
+    assert config.sample_budget(1437) == 12 * 32
+    assert config_of(["--epochs", "2"]).sample_budget(1437) == 2 * 1437
+
+
+@pytest.mark.parametrize(("workers", "speeds"), [
+    (2, (1.0, 4.0)), (3, (1.0, 2.0, 4.0)), (4, (1.0, 1.0, 2.0, 4.0)),
+    (5, (1.0, 1.0, 2.0, 2.0, 4.0)),
+])
+def test_default_speeds_spread_one_to_four(workers: int, speeds: tuple[float, ...]) -> None:
+    assert default_speeds(workers) == speeds
+    assert config_of(["--workers", str(workers)]).speeds == speeds
+
+
+def test_unknown_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--bogus" in usage_error(["--bogus"], capsys)
+
+
+def test_speeds_not_matching_workers(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(["--workers", "4", "--speeds", "1,2,4"], capsys)
+    assert "3 values (1,2,4)" in err and "--workers is 4" in err
+
+
+@pytest.mark.parametrize("speeds", ["1,0,2", "1,-2", "1,nan", "1,x"])
+def test_non_positive_or_non_numeric_speed(speeds: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(["--speeds", speeds], capsys)
+    assert speeds in err and "positive" in err
+
+
+def test_more_workers_than_the_machine_holds(capsys: pytest.CaptureFixture[str]) -> None:
+    limit = machine_worker_limit()
+    err = usage_error(["--workers", str(limit + 1)], capsys)
+    assert f"workers {limit + 1}" in err and f"2 to {limit}" in err
+
+
+def test_one_worker_is_not_a_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "2 to" in usage_error(["--speeds", "3"], capsys)
+
+
+@pytest.mark.parametrize("argv", [["--workers", "0"], ["--steps", "0"], ["--epochs", "-1"],
+                                  ["--batch-size", "x"], ["--timeout", "0"]])
+def test_non_positive_numbers(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert argv[0] in usage_error(argv, capsys)
+
+
+def test_epochs_and_steps_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "not allowed" in usage_error(["--epochs", "1", "--steps", "3"], capsys)
+
+
+def test_batch_smaller_than_worker_count(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(["--batch-size", "3"], capsys)
+    assert "batch size 3" in err and "4 workers" in err
+
+
+def test_unwritable_output_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nowhere" / "report.json"
+    assert "does not exist" in usage_error(["--json", str(missing)], capsys)
+    assert "does not exist" in usage_error(["--plot", str(missing)], capsys)
+    a_file = tmp_path / "file"
+    a_file.touch()
+    assert "not a directory" in usage_error(["--out", str(a_file)], capsys)
+
+
+def test_config_round_trips_through_json() -> None:
+    config = config_of(["--speeds", "1,2.5,4", "--steps", "5"])
+    assert DemoConfig.from_json(config.to_json()) == config

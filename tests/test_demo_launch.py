@@ -1,0 +1,58 @@
+"""The demo's launcher: torchrun on a free port, worker environment, failures and the hard
+timeout (a hung worker is killed, never left running)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from cannikin.demo.launch import LaunchError, run_local, torchrun_command, worker_env
+
+TESTS = Path(__file__).resolve().parent
+
+
+def launch(tmp_path: Path, mode: str, timeout_s: float) -> None:
+    env = worker_env((4.0, 1.0))
+    env["PYTHONPATH"] = f"{env['PYTHONPATH']}{os.pathsep}{TESTS}"
+    command = torchrun_command(2, "demo_dummy_worker", [str(tmp_path), mode])
+    run_local(command, env=env, log_path=tmp_path / "workers.log", timeout_s=timeout_s)
+
+
+def ranks(tmp_path: Path) -> list[dict[str, str]]:
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_failing_worker_raises_with_exit_code_and_environment_is_set(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="exit code 1"):
+        launch(tmp_path, "fail", timeout_s=50)
+    for rank, info in enumerate(ranks(tmp_path)):
+        assert info["RANK"] == str(rank) and info["WORLD_SIZE"] == "2"
+        assert info["OMP_NUM_THREADS"] == "1"
+        assert info["CANNIKIN_SLOWDOWN"] == "4,1"
+    assert "exit" in (tmp_path / "workers.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_hung_workers_are_killed_at_the_timeout(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="timeout"):
+        launch(tmp_path, "hang", timeout_s=20)
+    assert time.monotonic() - start < 20 + 12
+    pids = [int(info["pid"]) for info in ranks(tmp_path)]
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)

@@ -1,0 +1,280 @@
+"""OptPerf (DESIGN.md §2) against brute force, an LP solver and property tests."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import linprog
+
+from cannikin.optperf import (
+    Splitter,
+    _hand_out,
+    _hand_out_heap,
+    even_split,
+    optimal_split,
+    proportional_split,
+    step_time_curve,
+)
+from cannikin.perf import ClusterModel, CommModel, NodeModel
+
+
+def random_cluster(rng: np.random.Generator, n: int, m: int, cap: int = 200) -> ClusterModel:
+    nodes = []
+    for i in range(n):
+        lo = int(rng.integers(0, 4))
+        hi = int(lo + rng.integers(1, cap)) if rng.random() < 0.7 else None
+        speed = float(10 ** rng.uniform(0, 1))  # up to 10x slower
+        nodes.append(NodeModel(
+            fwd=(float(rng.uniform(0, 0.1)), speed * float(rng.uniform(1e-3, 1e-2))),
+            bwd=(float(rng.uniform(0, 0.1)), speed * float(rng.uniform(1e-3, 2e-2))),
+            min_batch=lo, max_batch=hi, name=f"w{i}",
+        ))
+    rho = [*np.sort(rng.uniform(0, 1, m - 1)).tolist(), 1.0]
+    comm = CommModel(buckets=[(r, float(rng.uniform(0, 0.3))) for r in rho])
+    return ClusterModel(nodes=nodes, comm=comm)
+
+
+def bounds(cluster: ClusterModel, uncapped: int) -> tuple[int, int]:
+    lo = sum(n.min_batch for n in cluster.nodes)
+    hi = sum(uncapped if n.max_batch is None else n.max_batch for n in cluster.nodes)
+    return lo, hi
+
+
+def brute_force(cluster: ClusterModel, total: int) -> float:
+    ranges = [range(n.min_batch, (total if n.max_batch is None else n.max_batch) + 1)
+              for n in cluster.nodes]
+    return min(cluster.step_time(s) for s in itertools.product(*ranges) if sum(s) == total)
+
+
+def lp_bound(cluster: ClusterModel, total: float) -> float:
+    """min t s.t. t >= d_ij + a_ij b_i, sum b = B, lo <= b <= hi (the LP of §2)."""
+    arr = cluster.arrays
+    n, m = arr.slopes.shape
+    a_ub = np.zeros((n * m, n + 1))
+    for i in range(n):
+        a_ub[i * m:(i + 1) * m, i] = arr.slopes[i]
+    a_ub[:, n] = -1.0
+    b_ub = -arr.offsets.reshape(-1)
+    a_eq = np.concatenate([np.ones(n), [0.0]])[None, :]
+    bnds = [(float(lo), None if math.isinf(hi) else float(hi))
+            for lo, hi in zip(arr.lo, arr.hi, strict=True)] + [(None, None)]
+    res = linprog(np.concatenate([np.zeros(n), [1.0]]), A_ub=a_ub, b_ub=b_ub, A_eq=a_eq,
+                  b_eq=[total], bounds=bnds, method="highs")
+    assert res.status == 0, res.message
+    return float(res.fun)
+
+
+def test_matches_brute_force_on_small_clusters() -> None:
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(120):
+        cluster = random_cluster(rng, int(rng.integers(1, 4)), int(rng.integers(1, 4)), cap=10)
+        lo, hi = bounds(cluster, 14)
+        for total in range(lo, min(hi, 14) + 1):
+            plan = optimal_split(cluster, total)
+            assert sum(plan.local_batches) == total
+            assert plan.step_time == pytest.approx(brute_force(cluster, total), rel=1e-12)
+            assert plan.step_time == pytest.approx(cluster.step_time(plan.local_batches),
+                                                   rel=1e-12)
+            checked += 1
+    assert checked > 500
+
+
+def test_within_one_sample_of_the_lp_bound() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(60):
+        n = int(rng.integers(1, 65))
+        cluster = random_cluster(rng, n, int(rng.integers(1, 5)))
+        lo, hi = bounds(cluster, 10**6)
+        total = int(rng.integers(lo, min(hi, lo + 60 * n) + 1))
+        bound = lp_bound(cluster, total)
+        plan = optimal_split(cluster, total)
+        one_sample = float(cluster.arrays.slopes.max())
+        assert bound - 1e-9 <= plan.step_time <= bound + one_sample + 1e-9
+        assert step_time_curve(cluster)(total) == pytest.approx(bound, rel=1e-7, abs=1e-9)
+
+
+def test_curve_breakpoints_match_lp() -> None:
+    rng = np.random.default_rng(2)
+    cluster = random_cluster(rng, 12, 3, cap=40)
+    curve = step_time_curve(cluster)
+    lo, hi = bounds(cluster, 10**6)
+    for total in np.linspace(lo, min(hi, lo + 600), 25):
+        assert curve(float(total)) == pytest.approx(lp_bound(cluster, float(total)), rel=1e-7)
+    assert np.all(np.diff(curve.batch) > 0) and np.all(np.diff(curve.time) >= 0)
+    slopes = np.diff(curve.time) / np.diff(curve.batch)
+    assert np.all(np.diff(slopes) >= -1e-9)  # convex in B
+    with pytest.raises(ValueError, match="feasible range"):
+        curve(lo - 1)
+
+
+def test_workers_in_different_regimes() -> None:
+    """A backward-heavy worker is compute-bound (last bucket binds) while a forward-heavy one
+    is communication-bound (first bucket binds), in the same optimal split."""
+    nodes = [NodeModel(fwd=(0.0, 0.01), bwd=(0.0, 1.0), name="bwd-heavy"),
+             NodeModel(fwd=(0.0, 0.5), bwd=(0.0, 0.01), name="fwd-heavy")]
+    cluster = ClusterModel(nodes=nodes, comm=CommModel(buckets=[(0.1, 5.0), (1.0, 0.1)]))
+    for total in (8, 13, 20):
+        plan = optimal_split(cluster, total)
+        assert plan.step_time == pytest.approx(brute_force(cluster, total), rel=1e-12)
+        arr = cluster.arrays
+        per_bucket = arr.offsets + arr.slopes * np.array(plan.local_batches)[:, None]
+        assert np.argmax(per_bucket[0]) == 1  # bwd-heavy: backward end + c_m
+        assert np.argmax(per_bucket[1]) == 0  # fwd-heavy: first bucket + all comm
+
+
+def test_equal_finish_times_within_one_sample() -> None:
+    """DESIGN §2 corollary: workers off their bounds finish together, within one sample."""
+    rng = np.random.default_rng(3)
+    balanced = 0
+    for _ in range(30):
+        cluster = random_cluster(rng, int(rng.integers(2, 40)), 2)
+        lo, hi = bounds(cluster, 10**6)
+        total = int(rng.integers(lo, min(hi, lo + 50 * cluster.size) + 1))
+        plan = optimal_split(cluster, total)
+        arr = cluster.arrays
+        b = np.array(plan.local_batches, dtype=np.float64)
+        finish = cluster.node_times(b)
+        one_more = np.max(arr.offsets + arr.slopes * (b + 1)[:, None], axis=1)
+        lowest = float(np.max(np.max(arr.offsets + arr.slopes * arr.lo[:, None], axis=1)))
+        free = b < arr.hi
+        if plan.step_time == lowest:
+            continue  # a worker's minimum batch sets the pace: nothing to balance
+        assert np.all(one_more[free] >= plan.step_time * (1 - 1e-12))
+        above = (b > arr.lo) & free  # off both bounds
+        assert np.all(finish[above] >= plan.step_time - arr.slopes[above].max(axis=1) - 1e-12)
+        balanced += 1
+    assert balanced >= 20
+
+
+def test_honours_min_and_max_batch() -> None:
+    nodes = [NodeModel(fwd=(0, 0.001), bwd=(0, 0.002), max_batch=5, name="fast-small-memory"),
+             NodeModel(fwd=(0, 0.1), bwd=(0, 0.2), min_batch=3, name="slow-with-a-minimum")]
+    cluster = ClusterModel(nodes=nodes)
+    assert optimal_split(cluster, 8).local_batches == (5, 3)
+    assert optimal_split(cluster, 9).local_batches == (5, 4)
+    assert optimal_split(cluster, 4).local_batches == (1, 3)
+
+
+@pytest.mark.parametrize("total, match", [
+    (11, "exceeds the sum of the workers' max_batch \\(10"),
+    (1, "below the sum of the workers' min_batch \\(2"),
+    (4.5, "must be an integer"),
+    (True, "must be an integer"),
+])
+def test_bad_totals(total: object, match: str) -> None:
+    cluster = ClusterModel(nodes=[NodeModel(fwd=(0, 1), bwd=(0, 1), min_batch=1, max_batch=5)] * 2)
+    with pytest.raises(ValueError, match=match):
+        optimal_split(cluster, total)  # type: ignore[arg-type]
+
+
+def test_bad_clusters() -> None:
+    zero = ClusterModel(nodes=[NodeModel(fwd=(0, 1), bwd=(0, 1)),
+                               NodeModel(fwd=(1, 0), bwd=(1, 0), name="flat")])
+    with pytest.raises(ValueError, match="node 1 \\('flat'\\).*must be > 0"):
+        optimal_split(zero, 4)
+    with pytest.raises(ValueError, match="finite"):
+        optimal_split(ClusterModel(nodes=[NodeModel(fwd=(math.nan, 1), bwd=(0, 1))]), 4)
+    with pytest.raises(ValueError, match="finite"):
+        optimal_split(ClusterModel(nodes=[NodeModel(fwd=(0, 1), bwd=(0, math.inf))]), 4)
+    with pytest.raises(ValueError, match="at least one node"):
+        optimal_split(ClusterModel(nodes=[]), 4)
+
+
+def test_step_times_for_a_range_match_single_splits() -> None:
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        cluster = random_cluster(rng, int(rng.integers(1, 20)), int(rng.integers(1, 4)))
+        lo, hi = bounds(cluster, 10**6)
+        first = int(rng.integers(lo, min(hi, lo + 300) + 1))
+        last = int(rng.integers(first, min(hi, first + 300) + 1))
+        times = Splitter(cluster).step_times(first, last)
+        ref = [optimal_split(cluster, total).step_time for total in range(first, last + 1)]
+        assert times == pytest.approx(ref, rel=1e-12)
+
+
+def test_vectorised_hand_out_equals_heap() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        cluster = random_cluster(rng, 300, 2)
+        arr = cluster.arrays
+        base = np.minimum(rng.integers(0, 30, 300), arr.hi).astype(np.int64)
+        base = np.maximum(base, arr.lo.astype(np.int64))
+        remaining = int(rng.integers(1, 300))
+        fast = _hand_out(arr, base, remaining)
+        slow = _hand_out_heap(arr, base, remaining)
+        assert fast.sum() == slow.sum() == base.sum() + remaining
+        assert cluster.step_time(fast) == pytest.approx(cluster.step_time(slow), rel=1e-12)
+
+
+def test_large_cluster_matches_lp() -> None:
+    rng = np.random.default_rng(6)
+    cluster = random_cluster(rng, 1024, 2)
+    lo, _ = bounds(cluster, 10**6)
+    plan = optimal_split(cluster, lo + 16 * 1024)
+    bound = lp_bound(cluster, lo + 16 * 1024)
+    assert bound <= plan.step_time <= bound + float(cluster.arrays.slopes.max())
+
+
+def test_deterministic() -> None:
+    rng = np.random.default_rng(7)
+    cluster = random_cluster(rng, 50, 2)
+    twin = ClusterModel(nodes=list(cluster.nodes), comm=cluster.comm)
+    lo, _ = bounds(cluster, 10**6)
+    assert optimal_split(cluster, lo + 999) == optimal_split(twin, lo + 999)
+
+
+def test_baselines() -> None:
+    nodes = [NodeModel(fwd=(0, 1), bwd=(0, 1)), NodeModel(fwd=(0, 3), bwd=(0, 3))]
+    cluster = ClusterModel(nodes=nodes)
+    assert even_split(cluster, 9).local_batches == (5, 4)
+    assert proportional_split(cluster, 8).local_batches == (6, 2)
+    assert proportional_split(cluster, 8, throughput=[1.0, 1.0]).local_batches == (4, 4)
+    with pytest.raises(ValueError, match="throughput"):
+        proportional_split(cluster, 8, throughput=[1.0, 0.0])
+
+
+@st.composite
+def clusters(draw: st.DrawFn) -> tuple[ClusterModel, int]:
+    n = draw(st.integers(1, 12))
+    m = draw(st.integers(1, 3))
+    pos = st.floats(1e-4, 1.0, allow_nan=False, allow_infinity=False)
+    nonneg = st.floats(0.0, 1.0, allow_nan=False, allow_infinity=False)
+    nodes = []
+    for _ in range(n):
+        lo = draw(st.integers(0, 3))
+        hi = draw(st.one_of(st.none(), st.integers(max(lo, 1), lo + 60)))
+        nodes.append(NodeModel(fwd=(draw(nonneg), draw(pos)), bwd=(draw(nonneg), draw(pos)),
+                               min_batch=lo, max_batch=hi))
+    rho = sorted(draw(st.lists(st.floats(0.0, 1.0), min_size=m - 1, max_size=m - 1)))
+    comm = CommModel(buckets=[(r, draw(nonneg)) for r in [*rho, 1.0]])
+    cluster = ClusterModel(nodes=nodes, comm=comm)
+    lo_sum, hi_sum = bounds(cluster, 10**6)
+    total = draw(st.integers(lo_sum, min(hi_sum, lo_sum + 300)))
+    return cluster, total
+
+
+def within_bounds(cluster: ClusterModel, local: tuple[int, ...]) -> bool:
+    return all(n.min_batch <= b <= (n.max_batch if n.max_batch is not None else b)
+               for n, b in zip(cluster.nodes, local, strict=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(clusters())
+def test_properties(case: tuple[ClusterModel, int]) -> None:
+    cluster, total = case
+    plan = optimal_split(cluster, total)
+    assert sum(plan.local_batches) == total
+    assert within_bounds(cluster, plan.local_batches)
+    assert plan.step_time == pytest.approx(cluster.step_time(plan.local_batches), rel=1e-12)
+    bound = step_time_curve(cluster)(total)
+    assert bound * (1 - 1e-9) - 1e-12 <= plan.step_time
+    assert plan.step_time <= bound + float(cluster.arrays.slopes.max()) * (1 + 1e-9)
+    for baseline in (even_split(cluster, total), proportional_split(cluster, total)):
+        if within_bounds(cluster, baseline.local_batches):
+            assert plan.step_time <= baseline.step_time * (1 + 1e-12)

@@ -1,0 +1,136 @@
+"""HeteroDataLoader in one process: every rank's view is built with the same controller,
+so exactly-once coverage is checked without spawning ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from cannikin.runtime.loader import HeteroDataLoader
+
+
+class Scripted:
+    """A controller that changes the split every step (as re-planning does)."""
+
+    def __init__(self, totals: list[int], world: int) -> None:
+        self.totals, self.world, self.step = totals, world, 0
+        self.begun: list[tuple[int, ...]] = []
+
+    @property
+    def total_batch(self) -> int:
+        return self.totals[self.step % len(self.totals)]
+
+    def split_for(self, total: int) -> tuple[int, ...]:
+        # skewed, with an empty worker every third step
+        shares = [(self.step + r) % 3 for r in range(self.world)]
+        if sum(shares) == 0:
+            shares[0] = 1
+        split = [total * s // sum(shares) for s in shares]
+        split[-1] += total - sum(split)
+        return tuple(split)
+
+    def begin_step(self, split: tuple[int, ...]) -> None:
+        self.begun.append(split)
+        self.step += 1
+
+
+class Pairs(Dataset[tuple[torch.Tensor, int]]):
+    """A map-style dataset without batched access (the generic collate path)."""
+
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((2,), float(i)), i
+
+
+def epoch_indices(dataset: Dataset, world: int, totals: list[int], **kw: object) -> list[int]:
+    seen: list[int] = []
+    for rank in range(world):
+        loader = HeteroDataLoader(dataset, batch_size=totals[0], seed=5, rank=rank,
+                                  world_size=world, **kw)  # type: ignore[arg-type]
+        loader.attach(Scripted(totals, world), rank, world)
+        for batch in loader:
+            ids = batch[2] if len(batch) == 3 else batch[1]
+            seen += [int(i) for i in ids]
+        assert loader.epoch == 1
+    return seen
+
+
+def test_every_index_once_per_epoch_under_changing_splits() -> None:
+    data = TensorDataset(torch.randn(103, 3), torch.zeros(103), torch.arange(103))
+    seen = epoch_indices(data, 3, [10, 17, 4])
+    assert sorted(seen) == list(range(103))  # the final partial batch is split too
+    assert sorted(epoch_indices(Pairs(), 4, [9, 2])) == list(range(50))
+
+
+def test_drop_last_skips_only_the_final_partial_batch() -> None:
+    data = TensorDataset(torch.randn(103, 3), torch.zeros(103), torch.arange(103))
+    seen = epoch_indices(data, 2, [10], drop_last=True)
+    assert len(seen) == 100 and len(set(seen)) == 100
+
+
+def test_empty_local_batch_keeps_the_structure() -> None:
+    loader = HeteroDataLoader(Pairs(), batch_size=8, rank=0, world_size=2)
+    loader.attach(Scripted([8], 2), 0, 2)  # step 0 gives rank 0 a share of 0
+    x, ids = next(iter(loader))
+    assert x.shape == (0, 2) and ids.shape == (0,)
+
+
+def test_rewind_gives_the_same_samples_again_and_state_resumes() -> None:
+    data = TensorDataset(torch.arange(40).float(), torch.arange(40))
+    loader = HeteroDataLoader(data, batch_size=8)
+    it = iter(loader)
+    first = next(it)[1].tolist()
+    loader.rewind()
+    assert next(it)[1].tolist() == first
+    state = loader.state_dict()
+    rest = [b[1].tolist() for b in it]
+    again = HeteroDataLoader(data, batch_size=8)
+    again.load_state_dict(state)
+    assert [b[1].tolist() for b in again] == rest
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+    ({"batch_size": 64, "drop_last": True}, "smaller than one batch"),
+])
+def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        HeteroDataLoader(Pairs(), **kwargs)  # type: ignore[arg-type]
+
+
+def test_autoscale_bounds_are_validated() -> None:
+    loader = HeteroDataLoader(Pairs(), batch_size=8)
+    with pytest.raises(ValueError, match="max_batch_size must be an integer >= batch_size"):
+        loader.autoscale_batch_size(4)
+    with pytest.raises(ValueError, match="local_bsz_bounds"):
+        loader.autoscale_batch_size(32, local_bsz_bounds=(5, 2))
+    loader.autoscale_batch_size(32, local_bsz_bounds=(2, 16))
+    assert loader.autoscale is not None and loader.autoscale.max_batch_size == 32
+
+
+BLOCK_TORCH = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked for this test")
+        return None
+sys.meta_path.insert(0, _NoTorch())
+import cannikin.runtime.sampler, cannikin.runtime.planner
+assert "torch" not in sys.modules
+"""
+
+
+def test_runtime_package_is_lazy() -> None:
+    src = Path(__file__).resolve().parents[1] / "src"
+    result = subprocess.run([sys.executable, "-c", BLOCK_TORCH], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(src)})
+    assert result.returncode == 0, result.stderr

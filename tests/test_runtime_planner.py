@@ -1,0 +1,185 @@
+"""The planner loop in one process, against a ground-truth cluster it only sees through
+noisy step reports (as the runtime gives it)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cannikin.optperf import optimal_split
+from cannikin.perf import ClusterModel, CommModel, NodeModel
+from cannikin.runtime.planner import (
+    MAX_BUCKETS,
+    REPORT_SIZE,
+    Planner,
+    PlannerConfig,
+    StepReport,
+    capped_even_split,
+    merge_buckets,
+)
+
+COMM = CommModel(buckets=[(0.4, 0.004), (1.0, 0.006)])
+
+
+def truth(slowdowns: tuple[float, ...]) -> ClusterModel:
+    return ClusterModel(nodes=[NodeModel(fwd=(0.003 * k, 0.0004 * k), bwd=(0.006 * k, 0.0008 * k))
+                               for k in slowdowns], comm=COMM)
+
+
+def reports(cluster: ClusterModel, split: tuple[int, ...], rng: np.random.Generator,
+            noise: float = 0.05, sqnorm_noise: float = 50.0) -> list[StepReport]:
+    """What each rank would measure for one step of ``cluster`` (multiplicative noise)."""
+    step = cluster.step_time(list(split)) * (1 + noise * rng.standard_normal())
+    out = []
+    ready_at = [[n.forward_time(b) + rho * n.backward_time(b) for rho, _ in COMM.buckets]
+                for n, b in zip(cluster.nodes, split, strict=True)]
+    last = np.max(ready_at, axis=0)
+    for i, (node, b) in enumerate(zip(cluster.nodes, split, strict=True)):
+        wait = last - np.array(ready_at[i])  # waiting for the slowest peer shows up here
+        out.append(StepReport(
+            batch=b, sqnorm=1.0 + sqnorm_noise / max(b, 1),
+            fwd_s=node.forward_time(b) * (1 + noise * rng.standard_normal()),
+            bwd_s=node.backward_time(b) * (1 + noise * rng.standard_normal()),
+            step_s=step, ready_fractions=(0.4, 1.0),
+            allreduce_s=tuple(c + w for (_, c), w in zip(COMM.buckets, wait, strict=True))))
+    return out
+
+
+def run(planner: Planner, cluster: ClusterModel, steps: int, seed: int = 0,
+        sqnorm_noise: float = 50.0) -> list[float]:
+    """Drive ``planner`` like the runtime does; returns the true step time of each step."""
+    rng = np.random.default_rng(seed)
+    true_times = []
+    for step in range(steps):
+        split = planner.split_for(planner.total_batch)
+        true_times.append(cluster.step_time(list(split)))
+        rs = reports(cluster, split, rng, sqnorm_noise=sqnorm_noise)
+        planner.observe(step, rs, global_sqnorm=1.0 + sqnorm_noise / sum(split))
+        if planner.due(step):
+            planner.replan(step)
+    return true_times
+
+
+def test_four_workers_converge_to_the_optimal_split_within_30_steps() -> None:
+    cluster = truth((4.0, 2.0, 1.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=4, init_batch=128))  # defaults: K=5, warm-up 3
+    times = run(planner, cluster, 30)
+    best = optimal_split(cluster, 128).step_time
+    assert times[0] > 1.5 * best  # the even start is far off
+    assert times[-1] <= 1.05 * best, (times[-1], best, planner.local_batches)
+    assert planner.tracker.median_window_error() < 0.10
+
+
+def test_every_rank_computes_the_same_plan() -> None:
+    cluster = truth((3.0, 1.0, 1.5))
+    a, b = (Planner(PlannerConfig(world_size=3, init_batch=60)) for _ in range(2))
+    run(a, cluster, 20, seed=4)
+    run(b, cluster, 20, seed=4)
+    assert [r.local_batches for r in a.history] == [r.local_batches for r in b.history]
+
+
+def test_even_mode_keeps_the_even_split_and_still_predicts() -> None:
+    cluster = truth((4.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=2, init_batch=64, split="even"))
+    run(planner, cluster, 15)
+    assert planner.local_batches == (32, 32)
+    assert planner.current.predicted_step_s is not None
+    assert planner.tracker.median_window_error() < 0.10
+
+
+def test_partial_batch_is_split_over_the_remainder() -> None:
+    cluster = truth((4.0, 1.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=3, init_batch=90))
+    run(planner, cluster, 10)
+    for total in (1, 2, 3, 7, 89):
+        split = planner.split_for(total)
+        assert sum(split) == total and min(split) >= (1 if total >= 3 else 0)
+    assert planner.split_for(50)[0] < planner.split_for(50)[1]  # the slow worker gets less
+    with pytest.raises(ValueError, match="at most the planned 90"):
+        planner.split_for(91)
+
+
+def test_out_of_memory_lowers_the_cap_and_the_plan_obeys_it() -> None:
+    cluster = truth((4.0, 1.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=3, init_batch=90))
+    run(planner, cluster, 10)
+    big = planner.local_batches[1]
+    cap = planner.lower_cap(1, big)
+    assert cap == math.floor(0.8 * big)
+    planner.replan(10, "out of memory")
+    assert planner.local_batches[1] <= cap and sum(planner.local_batches) == 90
+    with pytest.raises(RuntimeError, match="smallest allowed"):
+        planner.lower_cap(0, 1)
+
+
+def test_adaptive_total_batch_grows_with_a_large_noise_scale() -> None:
+    cluster = truth((2.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=2, init_batch=32, max_batch=512))
+    run(planner, cluster, 20, sqnorm_noise=5000.0)  # noise scale 5000: larger B pays
+    assert planner.noise.noise_scale() == pytest.approx(5000.0, rel=0.01)
+    assert planner.total_batch > 32
+    assert planner.total_batch <= 512
+    fixed = Planner(PlannerConfig(world_size=2, init_batch=32))
+    run(fixed, cluster, 20, sqnorm_noise=5000.0)
+    assert fixed.total_batch == 32
+
+
+def test_resume_with_another_world_size_plans_at_once_from_cached_models() -> None:
+    names = ("slow", "fast", "fast")
+    planner = Planner(PlannerConfig(world_size=3, init_batch=96, names=names))
+    run(planner, truth((4.0, 1.0, 1.0)), 20)
+    state = planner.state_dict()
+    smaller = Planner(PlannerConfig(world_size=2, init_batch=96, names=("slow", "fast")))
+    smaller.load_state_dict(state)
+    assert smaller.current.reason.startswith("resume")
+    best = optimal_split(truth((4.0, 1.0)), 96)
+    assert truth((4.0, 1.0)).step_time(list(smaller.local_batches)) <= 1.1 * best.step_time
+    unknown = Planner(PlannerConfig(world_size=2, init_batch=96, names=("slow", "new")))
+    unknown.load_state_dict(state)
+    assert unknown.local_batches == (48, 48)  # no model for "new": even until measured
+    with pytest.raises(ValueError, match="version"):
+        unknown.load_state_dict({**state, "version": 99})
+
+
+def test_step_report_vector_round_trip_and_bucket_merging() -> None:
+    report = StepReport(batch=7, sqnorm=2.5, fwd_s=0.1, bwd_s=0.2, step_s=0.4, oom=True,
+                        ready_fractions=(0.5, 1.0), allreduce_s=(0.01, 0.02))
+    vector = report.to_vector()
+    assert len(vector) == REPORT_SIZE
+    assert StepReport.from_vector(vector) == report
+    ready, comm = merge_buckets([i / 40 for i in range(1, 41)], [0.001] * 40, MAX_BUCKETS)
+    assert len(ready) == MAX_BUCKETS and ready[-1] == 1.0
+    assert sum(comm) == pytest.approx(0.04)
+
+
+@given(st.integers(0, 500), st.lists(st.one_of(st.none(), st.integers(1, 200)), min_size=1,
+                                     max_size=8))
+def test_capped_even_split(total: int, caps: list[int | None]) -> None:
+    room = sum(total if c is None else c for c in caps)
+    if room < total:
+        with pytest.raises(ValueError, match="exceeds the sum of the local caps"):
+            capped_even_split(total, caps)
+        return
+    split = capped_even_split(total, caps)
+    assert sum(split) == total
+    assert all(c is None or b <= c for b, c in zip(split, caps, strict=True))
+    free = [b for b, c in zip(split, caps, strict=True) if c is None or b < c]
+    if free:  # workers below their cap are level (within one), capped ones at most level
+        assert max(free) - min(free) <= 1
+        assert max(split) <= min(free) + 1
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"split": "fast"}, "split must be one of"),
+    ({"replan_every": 0}, "replan_every"),
+    ({"max_batch": 10}, "max_batch_size 10 is below batch_size 32"),
+    ({"caps": (4, 4)}, "does not fit the local caps"),
+    ({"min_local": 20}, "local_bsz_bounds lo=20"),
+])
+def test_config_errors_name_the_value(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PlannerConfig(world_size=2, init_batch=32, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,313 @@
+"""torchrun worker for tests/test_runtime_dist.py: one launch runs many checks.
+
+Usage: ``torchrun --standalone --nproc-per-node=3 runtime_checks.py OUT_JSON check ...``.
+Every rank runs every named check in order; rank 0 writes ``{check: figures}`` to
+OUT_JSON. Checks return numbers and the pytest side asserts on them, so a failure
+message shows the measured figure.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from cannikin.log import setup_logging
+from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+from cannikin.runtime.comm import CommState, weighted_allreduce_hook
+from cannikin.runtime.distributed import init_distributed
+from cannikin.runtime.timing import CpuClock
+
+SPLITS = [(3, 11, 50), (50, 3, 11), (0, 30, 34)]  # uneven, permuted, and one empty worker
+IN, OUT = 8, 5
+
+
+def _data(step: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(total, IN, generator=gen), torch.randint(0, OUT, (total,), generator=gen)
+
+
+class Unused(nn.Module):
+    """A model with a parameter that never receives a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(IN, 16)
+        self.b = nn.Linear(16, OUT)
+        self.unused = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(IN, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, OUT))
+
+
+def _bn() -> nn.Module:
+    return nn.Sequential(nn.Linear(IN, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, OUT))
+
+
+def _local_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if len(x) == 0:  # an empty local batch still joins the collectives
+        return model(x).sum() * 0.0
+    return F.cross_entropy(model(x), y)
+
+
+def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
+                unused: bool = False, hooked: bool = True) -> dict[str, float]:
+    """Max |grad - reference| / max |reference| over SPLITS, one optimizer-free step each."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = make()
+    ref = copy.deepcopy(net)
+    ddp = DDP(net, find_unused_parameters=unused)
+    state = CommState(clock=CpuClock())
+    if hooked:
+        ddp.register_comm_hook(state, weighted_allreduce_hook)
+    worst = 0.0
+    for step, split in enumerate(SPLITS):
+        total = sum(split)
+        x, y = _data(step, total)
+        lo = sum(split[:rank])
+        xs, ys = x[lo:lo + split[rank]], y[lo:lo + split[rank]]
+        state.begin_step(split[rank] / total)
+        ddp.zero_grad(set_to_none=False)
+        _local_loss(ddp, xs, ys).backward()
+        ref.zero_grad(set_to_none=False)
+        if per_chunk_reference:  # BatchNorm statistics of each worker's own chunk
+            bounds = [sum(split[:i]) for i in range(len(split) + 1)]
+            out = torch.cat([ref(x[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)
+                             if b > a])
+            F.cross_entropy(out, y).backward()
+        else:
+            F.cross_entropy(ref(x), y).backward()
+        pairs = [(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters(),
+                                                  strict=True) if q.grad is not None]
+        # relative to the largest reference entry: a parameter whose true gradient is ~0
+        # (a bias feeding BatchNorm) must not turn rounding noise into a huge ratio
+        scale = max(float(q.abs().max()) for _, q in pairs)
+        worst = max(worst, max(float((p - q).abs().max()) for p, q in pairs) / scale)
+    return {"rel_err": worst}
+
+
+def check_grad_mlp() -> dict[str, float]:
+    return _grad_check(_mlp, per_chunk_reference=False)
+
+
+def check_grad_plain_ddp() -> dict[str, float]:
+    """Plain DDP averaging on the same uneven splits: must be visibly wrong."""
+    return _grad_check(_mlp, per_chunk_reference=False, hooked=False)
+
+
+def check_grad_unused() -> dict[str, float]:
+    return _grad_check(Unused, per_chunk_reference=False, unused=True)
+
+
+def check_grad_batchnorm() -> dict[str, float]:
+    return _grad_check(_bn, per_chunk_reference=True)
+
+
+def check_syncbn() -> dict[str, float]:
+    """SyncBatchNorm over uneven counts: batch statistics, outputs and running stats
+    equal one BatchNorm over the concatenated batch. torch's SyncBatchNorm runs on GPU
+    only; all ranks share cuda:0 over gloo. The gradient error is reported, not
+    asserted: bucket weighting is exact only where backward has no cross-worker term.
+    """
+    rank = dist.get_rank()
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    ref = _bn().to(dev)
+    net = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(ref))
+    ddp = DDP(net, device_ids=[0])
+    state = CommState(clock=CpuClock())
+    ddp.register_comm_hook(state, weighted_allreduce_hook)
+    out_err = stat_err = grad_err = 0.0
+    for step, split in enumerate(SPLITS):
+        total = sum(split)
+        x, y = (t.to(dev) for t in _data(step, total))
+        lo = sum(split[:rank])
+        xs, ys = x[lo:lo + split[rank]], y[lo:lo + split[rank]]
+        state.begin_step(split[rank] / total)
+        ddp.zero_grad(set_to_none=False)
+        out = ddp(xs)
+        (F.cross_entropy(out, ys) if len(xs) else out.sum() * 0.0).backward()
+        ref.zero_grad(set_to_none=False)
+        ref_out = ref(x)
+        F.cross_entropy(ref_out, y).backward()
+        if len(xs):
+            out_err = max(out_err, float((out - ref_out[lo:lo + len(xs)]).abs().max()))
+        for a, b in ((net[1].running_mean, ref[1].running_mean),
+                     (net[1].running_var, ref[1].running_var)):
+            stat_err = max(stat_err, float((a - b).abs().max()))
+        pairs = [(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters(),
+                                                  strict=True)]
+        scale = max(float(q.abs().max()) for _, q in pairs)
+        grad_err = max(grad_err, max(float((p - q).abs().max()) for p, q in pairs) / scale)
+    return {"out_err": out_err, "stat_err": stat_err, "grad_rel_err": grad_err}
+
+
+def _blobs(n: int, features: int = 16, classes: int = 4) -> torch.utils.data.TensorDataset:
+    """A learnable classification set; the third tensor is each sample's index."""
+    gen = torch.Generator().manual_seed(7)
+    centers = torch.randn(classes, features, generator=gen) * 2.0
+    y = torch.randint(0, classes, (n,), generator=gen)
+    x = centers[y] + torch.randn(n, features, generator=gen)
+    return torch.utils.data.TensorDataset(x, y, torch.arange(n))
+
+
+def _classifier(features: int = 16, classes: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(features, 64), nn.ReLU(), nn.Linear(64, classes))
+
+
+class Recorder:
+    """A metrics sink that keeps every record."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.rows.append({**metrics, "logged_step": step})
+
+
+def _all_indices(seen: list[int]) -> list[int]:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    return sorted(i for part in everyone for i in part)
+
+
+def check_hdp_gradient() -> dict[str, float]:
+    """Through the whole API (loader split, weight, hook): grad == single process."""
+    data = _blobs(200)
+    net = _classifier()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    loader = HeteroDataLoader(data, batch_size=64, seed=3)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
+                               max_local_batch=[10, None, None])  # split 10, 27, 27
+    worst = 0.0
+    for step, (x, y, idx) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        union = torch.tensor(_all_indices(idx.tolist()))
+        ref.zero_grad()
+        F.cross_entropy(ref(data.tensors[0][union]), data.tensors[1][union]).backward()
+        scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+        worst = max(worst, max(float((p.grad - q.grad).abs().max())
+                               for p, q in zip(net.parameters(), ref.parameters(),
+                                               strict=True)) / scale)
+        opt.step()
+        if step == 3:  # 64+64+64+8: the last, partial batch is split too
+            break
+    return {"rel_err": worst, "split": list(model.plan.local_batches)}
+
+
+def check_train_hetero() -> dict[str, Any]:
+    """Emulated speeds 1, 2, 4 (slowdowns 4, 2, 1): even phase, then the adapted phase."""
+    os.environ["CANNIKIN_SLOWDOWN"] = "4,2,1"
+    data = _blobs(6000)
+    out: dict[str, Any] = {}
+    for phase, steps in (("even", 16), ("optimal", 40)):
+        net = _classifier()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        loader = HeteroDataLoader(data, batch_size=96, seed=1)
+        sink = Recorder()
+        model = HeteroDataParallel(net, opt, loader, split=phase, replan_every=5,
+                                   metrics=sink, slowdown_profile=(0.004, 0.0004))
+        losses, seen = [], []
+        for step, (x, y, idx) in enumerate(loader):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+            seen += idx.tolist()
+            if step + 1 == steps:
+                break
+        everyone = _all_indices(seen)
+        tracker = model.prediction_tracker
+        times = [r["step_time_s"] for r in sink.rows]
+        out[phase] = {
+            "step_times": times, "losses": losses,
+            "local_batches": list(model.plan.local_batches),
+            "window_error": tracker.median_window_error(),
+            "step_error": tracker.median_step_error(),
+            "windows": tracker.window_errors(),
+            "distinct_samples": len(set(everyone)), "samples": len(everyone),
+            "rows": sink.rows[-3:],
+        }
+        model.remove_hooks()
+    del os.environ["CANNIKIN_SLOWDOWN"]
+    return out
+
+
+class OomOnRank1(nn.Module):
+    """Raises CUDA's out-of-memory error on rank 1 for local batches above 15."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _classifier()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1 and len(x) > 15:
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
+        return self.net(x)
+
+
+def check_oom_retry() -> dict[str, Any]:
+    """A simulated OOM lowers that worker's cap, re-plans everywhere, retries the samples."""
+    data = _blobs(300)
+    net = OomOnRank1()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(data, batch_size=60, seed=2)
+    sink = Recorder()
+    model = HeteroDataParallel(net, opt, loader, split="optimal", metrics=sink)
+    seen: list[int] = []
+    updates = 0
+    for x, y, idx in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if model.last_metrics.get("skipped") is None:
+            updates += 1
+            seen += idx.tolist()
+    everyone = _all_indices(seen)
+    return {"updates": updates, "distinct": len(set(everyone)), "samples": len(everyone),
+            "cap": model.planner.config.caps[1], "split": list(model.plan.local_batches)}
+
+
+CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
+    name.removeprefix("check_"): fn for name, fn in globals().items()
+    if name.startswith("check_") and callable(fn)
+}
+
+
+def main() -> None:
+    out_path, names = Path(sys.argv[1]), sys.argv[2:]
+    torch.set_num_threads(1)
+    # gloo even where CUDA exists: the SyncBN check puts every rank on cuda:0
+    ctx = init_distributed("gloo", timeout_s=60.0)  # a dead or hung peer fails in 60 s
+    setup_logging(ctx.rank)
+    results = {}
+    for name in names:
+        results[name] = CHECKS[name]()
+        dist.barrier()
+    if dist.get_rank() == 0:
+        out_path.write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
