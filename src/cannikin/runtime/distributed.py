@@ -35,6 +35,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import (  # type: ignore[attr-defined]  # re-exported from torch._C
+    HashStore,
+    PrefixStore,
+    Store,
+    TCPStore,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +114,7 @@ def _choose_backend(backend: str | None) -> str:
 _POLL_S = 0.01
 
 
-def _agree_on_generation(store: dist.Store, rank: int, world_size: int,
+def _agree_on_generation(store: Store, rank: int, world_size: int,
                          timeout: timedelta) -> int:
     """A number that every worker of this group gets and that no earlier group used.
 
@@ -123,7 +129,7 @@ def _agree_on_generation(store: dist.Store, rank: int, world_size: int,
         generation = int(store.get(f"cannikin/ack/{token}"))
         store.set(f"cannikin/ready/{generation}/{rank}", "1")
         return generation
-    generation = store.add("cannikin/generation", 1)
+    generation = int(store.add("cannikin/generation", 1))
     ready = {r: f"cannikin/ready/{generation}/{r}" for r in range(1, world_size)}
     acked: set[str] = set()
     deadline = time.monotonic() + timeout.total_seconds()
@@ -146,20 +152,20 @@ def _agree_on_generation(store: dist.Store, rank: int, world_size: int,
 
 
 def _make_store(env: Mapping[str, str], rank: int, world_size: int,
-                timeout: timedelta) -> dist.Store:
+                timeout: timedelta) -> Store:
     """The store the group rendezvous on, with a key prefix per worker generation."""
     if world_size == 1 and "MASTER_ADDR" not in env:
-        return dist.HashStore()
+        return HashStore()
     host = env.get("MASTER_ADDR", "")
     if not host:
         raise ValueError("environment variable MASTER_ADDR must be set when WORLD_SIZE > 1")
     port = _env_int(env, "MASTER_PORT")
     # Under torchrun's shared store the agent hosts the server; otherwise rank 0 does.
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0 and not agent_store),
+    store = TCPStore(host, port, world_size, is_master=(rank == 0 and not agent_store),
                           timeout=timeout)
     generation = _agree_on_generation(store, rank, world_size, timeout)
-    return dist.PrefixStore(f"cannikin/generation_{generation}", store)
+    return PrefixStore(f"cannikin/generation_{generation}", store)
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
