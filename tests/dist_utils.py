@@ -10,12 +10,14 @@ Usage from a test::
 * Workers get ``PYTHONPATH=<checkout>/src:<checkout>/tests`` (so they import this checkout's
   ``cannikin``, not another copy), ``OMP_NUM_THREADS=1`` and unbuffered output. Call
   ``torch.set_num_threads(1)`` in the worker too.
-* ``run_torchrun`` runs one agent (``--standalone`` by default; ``max_restarts`` > 0 lets the
-  agent restart failed workers). ``start_agents`` runs several agents on one c10d rendezvous
-  (``--nnodes=MIN:MAX``, ``last_call_timeout=1`` so start-up is not 30 s, 1 s heartbeats so a
-  lost agent is dropped from the next round within ~5 s), on a fresh port and
-  rendezvous id, so concurrent tests never merge into one world; the first agent hosts the
-  rendezvous store, so kill another one to emulate a lost node (``ElasticJob.kill_agent``).
+* ``run_torchrun`` runs one ``--standalone`` agent (``max_restarts`` > 0 lets it restart
+  failed workers); ``start_torchrun`` starts one without waiting, so several jobs can share
+  their start-up time (``job.wait(timeout_s)`` collects them).
+* ``start_agents`` runs several agents on one c10d rendezvous (``--nnodes=MIN:MAX``,
+  ``last_call_timeout=1`` so start-up is not 30 s, 1 s heartbeats so a lost agent is dropped
+  from the next round within ~5 s), on a fresh port and rendezvous id, so concurrent tests
+  never merge into one world; the first agent hosts the rendezvous store, so kill another one
+  to emulate a lost node (``ElasticJob.kill_agent``).
 * Every agent is killed with all its workers (SIGKILL to the process tree) when ``timeout_s``
   passes: a hung worker fails the test (``timed_out`` is True,
   ``returncode`` is -9), it never hangs the suite.
@@ -170,13 +172,20 @@ def torchrun_command(script: str | Path, *, nproc_per_node: int, nnodes: str = "
     return [*cmd, str(script), *script_args]
 
 
+def start_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[str] = (),
+                   max_restarts: int = 0, env: Mapping[str, str] | None = None) -> ElasticJob:
+    """Start ``script`` on ``nproc`` local workers under one standalone agent; not waiting."""
+    cmd = torchrun_command(script, nproc_per_node=nproc, max_restarts=max_restarts,
+                           script_args=script_args)
+    return ElasticJob([_start(cmd, worker_env(env))])
+
+
 def run_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[str] = (),
                  timeout_s: float = 120.0, max_restarts: int = 0,
                  env: Mapping[str, str] | None = None) -> JobResult:
     """Run ``script`` on ``nproc`` local workers under one standalone agent, hard timeout."""
-    cmd = torchrun_command(script, nproc_per_node=nproc, max_restarts=max_restarts,
-                           script_args=script_args)
-    job = ElasticJob([_start(cmd, worker_env(env))])
+    job = start_torchrun(script, nproc=nproc, script_args=script_args,
+                         max_restarts=max_restarts, env=env)
     return job.wait(timeout_s)[0]
 
 

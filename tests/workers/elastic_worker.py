@@ -6,11 +6,14 @@ was written. Rank 0 checkpoints every ``--checkpoint-every`` steps. On the first
 (restart count 0) every rank pauses after step ``--pause-after`` and touches
 ``paused-r<rank>`` until the test, having SIGKILLed one node, creates ``resume``; the
 survivors' next collective then fails, torchrun restarts them in a smaller world, and they
-resume from the newest checkpoint.
+resume from the newest checkpoint. ``--crash-after S`` instead makes rank 1 exit after step S
+of the first run (torchrun restarts the group at the same size). At the end rank 0 saves the
+parameters to ``<out>/final.pt``.
 """
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -21,7 +24,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from cannikin.log import setup_logging
-from cannikin.runtime.checkpoint import CheckpointManager, load_checkpoint
+from cannikin.runtime.checkpoint import CheckpointManager, load_checkpoint, save_checkpoint
 from cannikin.runtime.distributed import destroy_distributed, init_distributed
 from cannikin.runtime.loader import HeteroDataLoader
 from cannikin.runtime.parallel import HeteroDataParallel
@@ -51,7 +54,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=4)
-    parser.add_argument("--pause-after", type=int, default=14)
+    parser.add_argument("--pause-after", type=int, default=-1)
+    parser.add_argument("--crash-after", type=int, default=-1)
+    parser.add_argument("--split", default="optimal")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=15)
@@ -60,7 +65,7 @@ def main() -> None:
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
     loader = HeteroDataLoader(dataset(args.samples), batch_size=args.batch, seed=0)
-    model = HeteroDataParallel(net, optimizer, loader, replan_every=3)
+    model = HeteroDataParallel(net, optimizer, loader, split=args.split, replan_every=3)
     manager = CheckpointManager(args.out / "checkpoints", keep=2)
     state = resume(manager, ctx.rank)
     if state is not None:
@@ -90,12 +95,16 @@ def main() -> None:
                     manager.save(model.step, {
                         "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "loader": loader.state_dict(), "runtime": model.runtime_state_dict()})
+                if ctx.restart_count == 0 and step == args.crash_after and ctx.rank == 1:
+                    os._exit(1)
                 if ctx.restart_count == 0 and step == args.pause_after:
                     (args.out / f"paused-r{ctx.rank}").touch()
                     deadline = time.monotonic() + 60
                     while not (args.out / "resume").exists() and time.monotonic() < deadline:
                         time.sleep(0.05)
         record(event="done", step=model.step)
+    if ctx.rank == 0:
+        save_checkpoint(args.out / "final.pt", {"model": model.module.state_dict()})
     destroy_distributed()
 
 
