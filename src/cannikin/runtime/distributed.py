@@ -13,10 +13,11 @@ the runtime is given. It also carries two fixes that every user script would oth
   refused". Each worker generation must use keys of its own. Keying them by
   ``TORCHELASTIC_RESTART_COUNT`` (the obvious fix) is not enough: that count is per agent, and
   when one agent restarts after its worker failed while another restarts a still-healthy worker
-  for the membership change (measured here when a node is killed), the counts differ and the
-  group never forms. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each generation a fresh
-  store, but it must be set in the *agent's* environment, which a library inside the worker
-  cannot do. So the workers agree on a generation number through the store itself
+  for the membership change, the counts differ and the group never forms (a connectFullMesh
+  timeout after a restart in one of ~5 runs of the lost-node test with that prefix).
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each generation a fresh store, but it must
+  be set in the *agent's* environment, which a library inside the worker cannot do. So the
+  workers agree on a generation number through the store itself
   (:func:`_agree_on_generation`): rank 0 draws a new number with an atomic ``add`` and hands it
   to each worker under a key named by that worker's random token, which no earlier generation
   can have written; the process group is then built on a ``PrefixStore`` of that generation.
