@@ -79,7 +79,7 @@ def test_loss_goes_down_and_samples_are_used_once(figures: dict[str, Any]) -> No
 
 def test_prediction_error_of_window_mean_step_time(figures: dict[str, Any]) -> None:
     opt = figures["train_hetero"]["optimal"]
-    assert len(opt["windows"]) >= 5
+    assert len(opt["windows"]) >= 4  # re-plans back off (5, 10, 20 .. steps) once stable
     assert opt["window_error"] < 0.10, opt["windows"]
     # per-step error is reported, not asserted (single steps are noisy here)
     assert opt["step_error"] == opt["step_error"]  # computed (not NaN)

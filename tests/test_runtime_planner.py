@@ -18,6 +18,7 @@ from cannikin.runtime.planner import (
     Planner,
     PlannerConfig,
     StepReport,
+    WorkerReport,
     capped_even_split,
     merge_buckets,
 )
@@ -30,14 +31,14 @@ def truth(slowdowns: tuple[float, ...]) -> ClusterModel:
                                for k in slowdowns], comm=COMM)
 
 
-def reports(cluster: ClusterModel, split: tuple[int, ...], rng: np.random.Generator,
-            noise: float = 0.05, sqnorm_noise: float = 50.0) -> list[StepReport]:
+def timings(cluster: ClusterModel, split: tuple[int, ...], rng: np.random.Generator,
+            sqnorm_noise: float, noise: float = 0.05) -> list[StepReport]:
     """What each rank would measure for one step of ``cluster`` (multiplicative noise)."""
     step = cluster.step_time(list(split)) * (1 + noise * rng.standard_normal())
-    out = []
     ready_at = [[n.forward_time(b) + rho * n.backward_time(b) for rho, _ in COMM.buckets]
                 for n, b in zip(cluster.nodes, split, strict=True)]
     last = np.max(ready_at, axis=0)
+    out = []
     for i, (node, b) in enumerate(zip(cluster.nodes, split, strict=True)):
         wait = last - np.array(ready_at[i])  # waiting for the slowest peer shows up here
         out.append(StepReport(
@@ -51,14 +52,19 @@ def reports(cluster: ClusterModel, split: tuple[int, ...], rng: np.random.Genera
 
 def run(planner: Planner, cluster: ClusterModel, steps: int, seed: int = 0,
         sqnorm_noise: float = 50.0) -> list[float]:
-    """Drive ``planner`` like the runtime does; returns the true step time of each step."""
+    """Drive ``planner`` like the runtime does (timings arrive one step late); returns the
+    true step time of each step."""
     rng = np.random.default_rng(seed)
     true_times = []
+    previous: list[StepReport | None] = [None] * cluster.size
+    previous_global = None
     for step in range(steps):
         split = planner.split_for(planner.total_batch)
         true_times.append(cluster.step_time(list(split)))
-        rs = reports(cluster, split, rng, sqnorm_noise=sqnorm_noise)
-        planner.observe(step, rs, global_sqnorm=1.0 + sqnorm_noise / sum(split))
+        rows = [WorkerReport(batch=b, previous=p) for b, p in zip(split, previous, strict=True)]
+        planner.observe(step, rows, previous_global)
+        previous = list(timings(cluster, split, rng, sqnorm_noise))
+        previous_global = 1.0 + sqnorm_noise / sum(split)
         if planner.due(step):
             planner.replan(step)
     return true_times
@@ -145,12 +151,13 @@ def test_resume_with_another_world_size_plans_at_once_from_cached_models() -> No
         unknown.load_state_dict({**state, "version": 99})
 
 
-def test_step_report_vector_round_trip_and_bucket_merging() -> None:
-    report = StepReport(batch=7, sqnorm=2.5, fwd_s=0.1, bwd_s=0.2, step_s=0.4, oom=True,
+def test_report_vector_round_trip_and_bucket_merging() -> None:
+    timing = StepReport(batch=7, sqnorm=2.5, fwd_s=0.1, bwd_s=0.2, step_s=0.4,
                         ready_fractions=(0.5, 1.0), allreduce_s=(0.01, 0.02))
-    vector = report.to_vector()
-    assert len(vector) == REPORT_SIZE
-    assert StepReport.from_vector(vector) == report
+    for report in (WorkerReport(batch=9, oom=True, previous=timing), WorkerReport(batch=0)):
+        vector = report.to_vector()
+        assert len(vector) == REPORT_SIZE
+        assert WorkerReport.from_vector(vector) == report
     ready, comm = merge_buckets([i / 40 for i in range(1, 41)], [0.001] * 40, MAX_BUCKETS)
     assert len(ready) == MAX_BUCKETS and ready[-1] == 1.0
     assert sum(comm) == pytest.approx(0.04)

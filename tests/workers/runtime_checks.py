@@ -219,7 +219,7 @@ def check_train_hetero() -> dict[str, Any]:
     os.environ["CANNIKIN_SLOWDOWN"] = "4,2,1"
     data = _blobs(6000)
     out: dict[str, Any] = {}
-    for phase, steps in (("even", 16), ("optimal", 40)):
+    for phase, steps in (("even", 16), ("optimal", 60)):
         net = _classifier()
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         loader = HeteroDataLoader(data, batch_size=96, seed=1)

@@ -24,6 +24,7 @@ from torch._C._distributed_c10d import GradBucket  # what DDP's hook annotation 
 
 # (param, grad) -> gradient in the space the noise scale is measured in
 GradTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_EXACT_ENOUGH = (torch.float32, torch.float64)  # integers up to 2^24 and timings survive
 
 
 @dataclass(kw_only=True)
@@ -31,9 +32,10 @@ class CommState:
     """Shared state of the weighted all-reduce hook; one per wrapped model.
 
     ``weight`` is b_i / B for the current step (set before each backward).
-    ``transform`` maps a local gradient into the space |g_i|^2 is measured in
-    (identity if None). The ``ready``/``done`` lists and ``sqnorm`` are this step's
-    records, cleared by :meth:`begin_step`.
+    ``transform`` maps a local gradient into the space |g_i|^2 is measured in; None is
+    the identity, and then the hook also takes the global |g|^2 from the reduced buckets
+    (one dot product per bucket, no extra pass over the gradients). The ``ready``/``done``
+    lists and squared norms are this step's records, cleared by :meth:`begin_step`.
     """
 
     clock: Any
@@ -43,7 +45,12 @@ class CommState:
     capture_sqnorm: bool = True
     ready: list[Any] = field(default_factory=list)
     done: list[Any] = field(default_factory=list)
-    sqnorm: torch.Tensor | None = None
+    local_parts: list[torch.Tensor] = field(default_factory=list)
+    global_parts: list[torch.Tensor] = field(default_factory=list)
+    rows: torch.Tensor | None = None
+    """Per-step exchange to sum over ranks, appended to the step's first bucket."""
+    rows_reduced: torch.Tensor | None = None
+    """``rows`` summed over ranks, once the first bucket's all-reduce is done."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.weight <= 1.0:
@@ -56,19 +63,29 @@ class CommState:
         self.weight = weight
         self.ready = []
         self.done = []
-        self.sqnorm = None
+        self.local_parts = []
+        self.global_parts = []
+        self.rows = None
+        self.rows_reduced = None
 
     def local_sqnorm(self) -> float:
         """|g_i|^2 of this step's local gradient (0.0 if no bucket was seen)."""
-        return 0.0 if self.sqnorm is None else float(self.sqnorm.item())
+        return float(sum(float(t) for t in self.local_parts))
 
-    def _add_sqnorm(self, bucket: GradBucket) -> None:
-        total = self.sqnorm
+    def global_sqnorm(self) -> float | None:
+        """|g|^2 of the all-reduced gradient, if the hook measured it (identity transform)."""
+        if self.transform is not None or not self.capture_sqnorm or not self.global_parts:
+            return None
+        return float(sum(float(t) for t in self.global_parts))
+
+    def _add_local(self, bucket: GradBucket) -> None:
+        if self.transform is None:
+            flat = bucket.buffer()
+            self.local_parts.append(torch.dot(flat, flat).double())
+            return
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            g = grad if self.transform is None else self.transform(param, grad)
-            part = g.detach().double().pow(2).sum()
-            total = part if total is None else total + part
-        self.sqnorm = total
+            g = self.transform(param, grad).detach().reshape(-1)
+            self.local_parts.append(torch.dot(g, g).double())
 
 
 def weighted_allreduce_hook(
@@ -78,10 +95,13 @@ def weighted_allreduce_hook(
 
     A worker with b_i = 0 contributes zeros (its buffer is zeroed rather than
     multiplied, so a NaN from an empty local batch cannot leak into the sum).
+    ``state.rows`` rides along with the step's first bucket (float32/float64 buckets
+    only: half precision would round the figures), so the runtime's per-step exchange
+    costs no collective of its own.
     """
     state.ready.append(state.clock.mark())
     if state.capture_sqnorm and state.weight > 0.0:
-        state._add_sqnorm(bucket)
+        state._add_local(bucket)
     buffer = bucket.buffer()
     if state.weight == 0.0:
         buffer.zero_()
@@ -89,11 +109,20 @@ def weighted_allreduce_hook(
         buffer.mul_(state.weight)
     slot = len(state.done)
     state.done.append(None)
-    future = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
+    rows = state.rows if slot == 0 and buffer.dtype in _EXACT_ENOUGH else None
+    send = buffer if rows is None else torch.cat([buffer, rows.to(buffer).reshape(-1)])
+    future = dist.all_reduce(send, group=state.group, async_op=True).get_future()
+    global_sqnorm = state.capture_sqnorm and state.transform is None
 
     def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         state.done[slot] = state.clock.mark()
-        return fut.value()[0]
+        reduced = fut.value()[0]
+        if rows is not None:
+            state.rows_reduced = reduced[buffer.numel():].double().reshape(rows.shape)
+            reduced = buffer.copy_(reduced[:buffer.numel()])
+        if global_sqnorm:
+            state.global_parts.append(torch.dot(reduced, reduced).double())
+        return reduced
 
     result: torch.futures.Future[torch.Tensor] = future.then(finish)
     return result

@@ -27,6 +27,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,7 +37,14 @@ from cannikin.optperf import Plan
 from cannikin.perf import ClusterModel, PredictionTracker
 from cannikin.runtime.comm import CommState, weighted_allreduce_hook
 from cannikin.runtime.loader import HeteroDataLoader
-from cannikin.runtime.planner import Planner, PlannerConfig, PlanRecord, StepReport
+from cannikin.runtime.planner import (
+    REPORT_SIZE,
+    Planner,
+    PlannerConfig,
+    PlanRecord,
+    StepReport,
+    WorkerReport,
+)
 from cannikin.runtime.precondition import Preconditioner
 from cannikin.runtime.timing import Clock, clock_for
 from cannikin.scaling import LRScaler
@@ -94,7 +102,7 @@ class HeteroDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  loader: HeteroDataLoader, *, split: str = "optimal",
-                 lr_scaling: str = "adascale", replan_every: int = 5, warmup_steps: int = 3,
+                 lr_scaling: str = "adascale", replan_every: int = 5, warmup_steps: int = 4,
                  metrics: MetricsSink | None = None,
                  max_local_batch: int | Sequence[int | None] | None = None,
                  slowdown: float | None = None,
@@ -117,7 +125,10 @@ class HeteroDataParallel(nn.Module):
             ddp_kwargs.setdefault("device_ids", [self.device])
         self.ddp = DistributedDataParallel(module, **ddp_kwargs)
         self.clock: Clock = clock_for(self.device)
-        self.comm = CommState(clock=self.clock, transform=Preconditioner(optimizer))
+        self.precondition = Preconditioner(optimizer)
+        self.comm = CommState(clock=self.clock,
+                              transform=self.precondition if self.precondition.adaptive
+                              else None)
         self.ddp.register_comm_hook(self.comm, weighted_allreduce_hook)
         caps, names = self._gather_identity(max_local_batch, device_name)
         auto = loader.autoscale
@@ -131,6 +142,8 @@ class HeteroDataParallel(nn.Module):
         self.step = 0
         self.last_metrics: dict[str, Any] = {}
         self._split: tuple[int, ...] | None = None
+        self._previous: StepReport | None = None  # this rank's last finished step
+        self._previous_global_sqnorm: float | None = None
         self._prev_mark: Any = None
         self._bwd_start: Any = None
         self._oom = False
@@ -234,6 +247,8 @@ class HeteroDataParallel(nn.Module):
             tensor = _first_grad_tensor(out)
             if tensor is not None:
                 tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
+        if self._stepping and self.comm.rows is None:
+            self.comm.rows = self._exchange_rows()  # rides with the first gradient bucket
         return out
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
@@ -258,7 +273,7 @@ class HeteroDataParallel(nn.Module):
         return _map_tensors(out, lambda t: t.expand(batch, *t.shape[1:]))
 
     def _measure(self) -> tuple[StepReport, Any]:
-        """This rank's report of the step that just finished its backward."""
+        """This rank's measurements of the step that just finished its backward."""
         clock, comm = self.clock, self.comm
         end = clock.mark()
         prev = self._prev_mark
@@ -281,29 +296,45 @@ class HeteroDataParallel(nn.Module):
             fractions, allreduce = [], []
         report = StepReport(batch=self._split[self.rank] if self._split else 0,
                             sqnorm=comm.local_sqnorm(), fwd_s=start, bwd_s=bwd, step_s=step_s,
-                            ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce),
-                            oom=self._oom)
+                            ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce))
         return report, end
 
-    def _global_sqnorm(self) -> float:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]
-                  if p.grad is not None]
-        precondition = self.comm.transform
-        assert isinstance(precondition, Preconditioner)
-        return float(precondition.sqnorm(params, [p.grad for p in params]).item())
+    def _exchange_rows(self) -> torch.Tensor:
+        """The per-step exchange: this rank's row (this step's batch and OOM flag, the
+        previous step's measurements), zeros elsewhere; summed over ranks it is every
+        rank's row, an all-gather in one all-reduce."""
+        report = WorkerReport(batch=self._split[self.rank] if self._split else 0,
+                              oom=self._oom, previous=self._previous)
+        rows = np.zeros((self.world_size, REPORT_SIZE))
+        rows[self.rank] = report.to_vector()
+        return torch.from_numpy(rows).to(self.device)
 
-    def _gather(self, report: StepReport) -> list[StepReport]:
-        mine = torch.tensor(report.to_vector(), dtype=torch.float64, device=self.device)
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine)
-        return [StepReport.from_vector(p.tolist()) for p in parts]
+    def _exchange(self) -> list[WorkerReport]:
+        rows = self.comm.rows_reduced
+        if rows is None:  # not sent with a bucket (half-precision buckets): on its own
+            rows = self._exchange_rows()
+            dist.all_reduce(rows)
+        return [WorkerReport.from_vector(row) for row in rows.tolist()]
+
+    def _global_sqnorm(self) -> float:
+        """|g|^2 of the all-reduced gradient, in the noise scale's space."""
+        measured = self.comm.global_sqnorm()
+        if measured is not None:
+            return measured
+        total = 0.0
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = self.precondition(p, p.grad).reshape(-1)
+                    total += float(torch.dot(g, g))
+        return total
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._stepping or self._split is None:
             return  # a step outside HeteroDataLoader's iteration: plain DDP semantics
         report, end = self._measure()
         global_sqnorm = self._global_sqnorm()
-        reports = self._gather(report)
+        reports = self._exchange()
         planned = tuple(r.batch for r in reports)
         if planned != self._split:
             raise RuntimeError(f"rank {self.rank} planned split {list(self._split)} but the "
@@ -311,23 +342,26 @@ class HeteroDataParallel(nn.Module):
         self._prev_mark = end
         self._scaled = False
         if any(r.oom for r in reports):
+            self._previous = None  # an out-of-memory step's measurements say nothing
             self._skip_step_after_oom(reports)
             return
-        measured, predicted = self.planner.observe(self.step, reports, global_sqnorm)
+        predicted = self.planner.predicted(self._split)
+        self.planner.observe(self.step, reports, self._previous_global_sqnorm)
+        self._previous, self._previous_global_sqnorm = report, global_sqnorm
         noise = self.planner.noise
         total = sum(self._split)
         factor = self.scaler.step_begin(total, noise.grad_sqr, noise.grad_var)
         self._scaled = True
         self.last_metrics = {
             "step": self.step, "epoch": self.loader.epoch, "local_batches": list(self._split),
-            "total_batch": total, "step_time_s": measured, "predicted_step_time_s": predicted,
-            "lr_factor": factor, "noise_scale": noise.noise_scale(),
-            "fwd_s": [r.fwd_s for r in reports], "bwd_s": [r.bwd_s for r in reports],
+            "total_batch": total, "step_time_s": report.step_s,
+            "predicted_step_time_s": predicted, "lr_factor": factor,
+            "noise_scale": noise.noise_scale(), "fwd_s": report.fwd_s, "bwd_s": report.bwd_s,
         }
         if self.planner.due(self.step):
             self.planner.replan(self.step)
 
-    def _skip_step_after_oom(self, reports: Sequence[StepReport]) -> None:
+    def _skip_step_after_oom(self, reports: Sequence[WorkerReport]) -> None:
         for rank, r in enumerate(reports):
             if r.oom:
                 self.planner.lower_cap(rank, r.batch)

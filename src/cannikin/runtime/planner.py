@@ -3,7 +3,7 @@
 Pure numpy on top of :mod:`cannikin.perf`, :mod:`cannikin.optperf`,
 :mod:`cannikin.goodput` and :mod:`cannikin.gns`; no torch, so it is tested in one
 process. Every rank owns a :class:`Planner` and feeds it the *same* all-gathered
-:class:`StepReport` of every rank each step, so every rank computes the same plan
+:class:`WorkerReport` of every rank each step, so every rank computes the same plan
 deterministically (DESIGN.md §5); the runtime checks that the local batches each
 rank reports are the ones every rank planned.
 """
@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 SPLITS = ("optimal", "even")
 MAX_BUCKETS = 16
 """Buckets kept per step report; more are merged (adjacent, in ready order)."""
-_HEADER = 7  # batch, sqnorm, fwd_s, bwd_s, step_s, oom, number of buckets
-REPORT_SIZE = _HEADER + 2 * MAX_BUCKETS
+_PREVIOUS = 6 + 2 * MAX_BUCKETS  # batch, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c..
+REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
 OOM_CAP_FACTOR = 0.8
 """After an out-of-memory at local batch b, that worker's cap becomes floor(0.8 b)."""
 _STATE_VERSION = 1
@@ -43,7 +43,7 @@ _STATE_VERSION = 1
 
 @dataclass(frozen=True, kw_only=True)
 class StepReport:
-    """One rank's measurements of one step (what the per-step all-gather carries)."""
+    """One rank's measurements of one finished step."""
 
     batch: int
     """Local batch b_i of the step."""
@@ -59,28 +59,52 @@ class StepReport:
     """Per bucket, in ready order: fraction of this rank's backward done when it was ready."""
     allreduce_s: tuple[float, ...] = ()
     """Per bucket: this rank's view of the all-reduce time (includes waiting for peers)."""
-    oom: bool = False
-    """The step ran out of memory on this rank."""
 
     def to_vector(self) -> list[float]:
-        """Fixed-length float encoding (:data:`REPORT_SIZE`) for one all-gather."""
         ready, comm = merge_buckets(self.ready_fractions, self.allreduce_s, MAX_BUCKETS)
         pad = [0.0] * (MAX_BUCKETS - len(ready))
         return [float(self.batch), self.sqnorm, self.fwd_s, self.bwd_s, self.step_s,
-                float(self.oom), float(len(ready)), *ready, *pad, *comm, *pad]
+                float(len(ready)), *ready, *pad, *comm, *pad]
 
     @staticmethod
     def from_vector(values: Sequence[float]) -> StepReport:
-        if len(values) != REPORT_SIZE:
-            raise ValueError(f"a step report has {REPORT_SIZE} values, got {len(values)}")
-        m = int(values[6])
-        ready = values[_HEADER:_HEADER + m]
-        comm = values[_HEADER + MAX_BUCKETS:_HEADER + MAX_BUCKETS + m]
+        m = int(values[5])
         return StepReport(batch=int(values[0]), sqnorm=float(values[1]),
                           fwd_s=float(values[2]), bwd_s=float(values[3]),
-                          step_s=float(values[4]), oom=bool(values[5]),
-                          ready_fractions=tuple(float(v) for v in ready),
-                          allreduce_s=tuple(float(v) for v in comm))
+                          step_s=float(values[4]),
+                          ready_fractions=tuple(float(v) for v in values[6:6 + m]),
+                          allreduce_s=tuple(float(v) for v in
+                                            values[6 + MAX_BUCKETS:6 + MAX_BUCKETS + m]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerReport:
+    """What one rank contributes to the per-step exchange (one row of it).
+
+    The exchange is launched at the end of the forward pass, so it runs while the
+    backward computes and costs the step almost nothing; the previous step's
+    measurements (gradient norm, timings) are what it can carry then, so the planner
+    and the noise scale see every step one step late.
+    """
+
+    batch: int
+    """Local batch b_i of this step (checked against every rank's plan)."""
+    oom: bool = False
+    """This step ran out of memory on this rank."""
+    previous: StepReport | None = None
+    """The previous step's measurements (None on the first step and after a skipped one)."""
+
+    def to_vector(self) -> list[float]:
+        """Fixed-length float encoding (:data:`REPORT_SIZE`)."""
+        prev = self.previous.to_vector() if self.previous is not None else [0.0] * _PREVIOUS
+        return [float(self.batch), float(self.oom), float(self.previous is not None), *prev]
+
+    @staticmethod
+    def from_vector(values: Sequence[float]) -> WorkerReport:
+        if len(values) != REPORT_SIZE:
+            raise ValueError(f"a worker report has {REPORT_SIZE} values, got {len(values)}")
+        return WorkerReport(batch=int(values[0]), oom=bool(values[1]),
+                            previous=StepReport.from_vector(values[3:]) if values[2] else None)
 
 
 def merge_buckets(ready: Sequence[float], allreduce: Sequence[float],
@@ -130,7 +154,9 @@ class PlannerConfig:
     """"optimal" (OptPerf) or "even" (the DDP baseline, same measurements)."""
     replan_every: int = 5
     """K: re-plan after every K steps once warm."""
-    warmup_steps: int = 3
+    max_replan_every: int = 40
+    """While the plan stays the same the interval doubles, up to this many steps."""
+    warmup_steps: int = 4
     """Steps on the even split before the first plan."""
     skip_steps: int = 1
     """First steps whose timings are not fitted (DDP bucket rebuild, allocator warm-up)."""
@@ -156,6 +182,7 @@ class PlannerConfig:
             raise ValueError(f"init_batch (batch_size) must be >= 1, got {self.init_batch}")
         if self.replan_every < 1:
             raise ValueError(f"replan_every must be >= 1, got {self.replan_every}")
+        self.max_replan_every = max(self.max_replan_every, self.replan_every)
         if self.warmup_steps < 1 or self.skip_steps < 0 or self.skip_steps >= self.warmup_steps:
             raise ValueError(f"need 0 <= skip_steps ({self.skip_steps}) < warmup_steps "
                              f"({self.warmup_steps})")
@@ -219,6 +246,10 @@ class Planner:
     current: PlanRecord = field(init=False)
     history: list[PlanRecord] = field(default_factory=list, init=False)
     cached: dict[str, NodeModel] = field(default_factory=dict, init=False)
+    _pending: float | None = field(default=None, init=False)  # prediction for the last step
+    _interval: int = field(default=0, init=False)  # steps from one re-plan to the next
+    _next_replan: int = field(default=0, init=False)
+    _window_ends: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -227,6 +258,8 @@ class Planner:
         self.tracker = PredictionTracker()
         self.noise = NoiseScaleTracker(smoothing=cfg.gns_smoothing)
         self.current = self._record(0, "start", self._even(cfg.init_batch), None)
+        self._interval = cfg.replan_every
+        self._next_replan = cfg.warmup_steps - 1
 
     # -- what the loader and the runtime ask -------------------------------------------------
     @property
@@ -262,32 +295,38 @@ class Planner:
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
-        done = step + 1 - self.config.warmup_steps
-        return done >= 0 and done % self.config.replan_every == 0
+        return step >= self._next_replan
 
     # -- feeding it ----------------------------------------------------------------------------
-    def observe(self, step: int, reports: Sequence[StepReport],
-                global_sqnorm: float) -> tuple[float, float | None]:
-        """Fold in one step of every rank; returns (measured, predicted) step seconds."""
+    def observe(self, step: int, reports: Sequence[WorkerReport],
+                previous_global_sqnorm: float | None) -> None:
+        """Fold in step ``step``'s exchange, which carries step ``step - 1``'s measurements
+        (``previous_global_sqnorm`` is that step's |g|^2, known on every rank)."""
         if len(reports) != self.config.world_size:
-            raise ValueError(f"expected {self.config.world_size} step reports, got "
+            raise ValueError(f"expected {self.config.world_size} worker reports, got "
                              f"{len(reports)}")
-        measured = float(np.median([r.step_s for r in reports]))
-        split = [r.batch for r in reports]
-        predicted = self.predicted(split)
-        active = [r for r in reports if r.batch > 0]
-        if len(active) >= 2:
-            self.noise.update([r.sqnorm for r in active], [r.batch for r in active],
-                              global_sqnorm)
-        if step < self.config.skip_steps:
-            return measured, predicted
-        for fitter, r in zip(self.fitters, reports, strict=True):
-            if r.batch > 0:
-                fitter.add(r.batch, r.fwd_s, r.bwd_s)
-        self._add_comm(active)
-        if predicted is not None and math.isfinite(measured):
-            self.tracker.record(predicted, measured)
-        return measured, predicted
+        previous = [r.previous for r in reports]
+        if all(p is not None for p in previous):
+            done = [p for p in previous if p is not None]
+            active = [p for p in done if p.batch > 0]
+            if len(active) >= 2 and previous_global_sqnorm is not None:
+                self.noise.update([p.sqnorm for p in active], [p.batch for p in active],
+                                  previous_global_sqnorm)
+            if step - 1 >= self.config.skip_steps:
+                self._observe_timing(done)
+        if self._window_ends:  # the last step of the previous plan is in: close its window
+            self.tracker.end_window()
+            self._window_ends = False
+        self._pending = self.predicted([r.batch for r in reports])
+
+    def _observe_timing(self, timings: Sequence[StepReport]) -> None:
+        measured = float(np.median([t.step_s for t in timings]))
+        for fitter, t in zip(self.fitters, timings, strict=True):
+            if t.batch > 0:
+                fitter.add(t.batch, t.fwd_s, t.bwd_s)
+        self._add_comm([t for t in timings if t.batch > 0])
+        if self._pending is not None and math.isfinite(measured):
+            self.tracker.record(self._pending, measured)
 
     def _add_comm(self, active: Sequence[StepReport]) -> None:
         counts = {len(r.allreduce_s) for r in active}
@@ -304,7 +343,7 @@ class Planner:
     # -- deciding --------------------------------------------------------------------------------
     def replan(self, step: int, reason: str = "cadence") -> PlanRecord:
         """Refit the cluster and choose the split (and total batch) from the next step on."""
-        self.tracker.end_window()
+        self._window_ends = True  # once this step's timing arrives
         cluster = self._fit()
         cfg = self.config
         total = self._fitting_total(self.current.total_batch)
@@ -325,6 +364,13 @@ class Planner:
                 plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
             record = self._record(step, reason, plan.local_batches, plan.step_time,
                                   cluster=cluster, noise=noise)
+        # a plan that holds is re-checked less and less often (planning costs CPU every
+        # step it runs); any change brings the cadence back to replan_every
+        unchanged = (record.local_batches == self.current.local_batches
+                     and cluster is not None and reason == "cadence")
+        self._interval = (min(2 * self._interval, cfg.max_replan_every) if unchanged
+                          else cfg.replan_every)
+        self._next_replan = step + self._interval
         self.current = record
         if self.log_plans:
             self._log(record, cluster)
