@@ -135,3 +135,16 @@ def test_installed_command_exits_2_with_one_line(argv: list[str], needle: str) -
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_parent_side_never_imports_torch() -> None:
+    """The parent process only launches and reports: importing it with torch blocked works."""
+    from test_pure_imports import BLOCK_TORCH
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    modules = ["cannikin.cli.demo", "cannikin.demo.run", "cannikin.demo.progress",
+               "cannikin.demo.plot", "cannikin.demo.digits"]
+    code = "\n".join(BLOCK_TORCH.format(module=m) for m in modules)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": str(src)})
+    assert result.returncode == 0, result.stderr

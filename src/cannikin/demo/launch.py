@@ -40,7 +40,8 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str]) -> list[str]:
 
 
 def worker_env(slowdowns: Sequence[float]) -> dict[str, str]:
-    """Environment for the workers: this checkout's cannikin, one thread, per-rank slowdown."""
+    """Environment for the workers: this checkout's cannikin, one thread, per-rank slowdown,
+    no GPU (several emulated workers cannot share one GPU under NCCL; they run on gloo)."""
     src = str(Path(cannikin.__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH")
     env = {
@@ -50,6 +51,7 @@ def worker_env(slowdowns: Sequence[float]) -> dict[str, str]:
         "MKL_NUM_THREADS": "1",
         "CANNIKIN_SLOWDOWN": ",".join(f"{s:g}" for s in slowdowns),
         "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # the emulated workers share this machine's CPU
     }
     if Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"

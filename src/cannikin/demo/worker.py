@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = DemoConfig.from_json(json.loads(args.config.read_text(encoding="utf-8")))
     torch.set_num_threads(1)
-    ctx = init_distributed()
+    ctx = init_distributed(backend="gloo")  # an emulated cluster of CPU workers, GPU or not
     setup_logging(ctx.rank, config.verbose)
     logger.info("process group ready %.1f s after the imports", time.perf_counter() - started)
     data = load_digits_split(args.out / digits.FILE)
