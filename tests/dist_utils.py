@@ -156,15 +156,18 @@ def _start(cmd: Sequence[str], env: Mapping[str, str]) -> _Agent:
 def torchrun_command(script: str | Path, *, nproc_per_node: int, nnodes: str = "1",
                      max_restarts: int = 0, rdzv_endpoint: str | None = None,
                      rdzv_id: str | None = None, is_host: bool | None = None,
-                     script_args: Sequence[str] = ()) -> list[str]:
-    """The ``python -m torch.distributed.run`` command line; no endpoint means ``--standalone``."""
+                     last_call_s: float = 1.0, script_args: Sequence[str] = ()) -> list[str]:
+    """The ``python -m torch.distributed.run`` command line; no endpoint means ``--standalone``.
+
+    ``last_call_s``: how long a rendezvous that has its minimum of nodes waits for more.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
            f"--nnodes={nnodes}", f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
     if rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
-        # last call 1 s instead of 30 s; a dead agent is noticed after 5 s of silent heartbeats
-        conf = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
+        # last call short instead of 30 s; a dead agent is noticed after 5 s of silent heartbeats
+        conf = f"last_call_timeout={last_call_s:g},keep_alive_interval=1,keep_alive_max_attempt=5"
         if is_host is not None:
             conf += f",is_host={int(is_host)}"
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
@@ -191,11 +194,13 @@ def run_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[st
 
 def start_agents(script: str | Path, *, nnodes: int, min_nodes: int | None = None,
                  nproc_per_node: int = 1, max_restarts: int = 0,
-                 script_args: Sequence[str] = (),
+                 script_args: Sequence[str] = (), last_call_s: float = 1.0,
                  env: Mapping[str, str] | None = None) -> ElasticJob:
     """Start ``nnodes`` agents on one fresh c10d rendezvous (``--nnodes=min_nodes:nnodes``).
 
-    Agent 0 hosts the rendezvous store; the others are clients of it.
+    Agent 0 hosts the rendezvous store; the others are clients of it. With ``min_nodes`` below
+    ``nnodes`` the first round completes ``last_call_s`` after the minimum has joined, so a test
+    that needs every agent in the first world must allow for the slowest agent's start-up.
     """
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv_id = uuid.uuid4().hex
@@ -204,7 +209,8 @@ def start_agents(script: str | Path, *, nnodes: int, min_nodes: int | None = Non
     for index in range(nnodes):
         cmd = torchrun_command(script, nproc_per_node=nproc_per_node, nnodes=span,
                                max_restarts=max_restarts, rdzv_endpoint=endpoint,
-                               rdzv_id=rdzv_id, is_host=(index == 0), script_args=script_args)
+                               rdzv_id=rdzv_id, is_host=(index == 0),
+                               last_call_s=last_call_s, script_args=script_args)
         job.agents.append(_start(cmd, worker_env(env)))
         if index == 0:
             time.sleep(0.5)  # let the host agent bind the rendezvous store first

@@ -44,8 +44,10 @@ def test_lost_node_resumes_from_checkpoint_with_exactly_once_samples(tmp_path: P
     args = [str(tmp_path), "--samples", str(SAMPLES), "--batch", str(BATCH),
             "--epochs", str(EPOCHS), "--checkpoint-every", str(EVERY),
             "--pause-after", str(PAUSE)]
+    # 10 s of last call: on a loaded machine one agent can start seconds after the other two,
+    # and the first world must hold all three
     job = start_agents(WORKERS / "elastic_worker.py", nnodes=3, min_nodes=2, max_restarts=2,
-                       script_args=args)
+                       script_args=args, last_call_s=10)
     try:
         wait_for(lambda: len(list(tmp_path.glob("paused-r*"))) == 3, 120, "all 3 workers to pause")
         job.kill_agent(2)
