@@ -10,13 +10,16 @@ Usage from a test::
 * Workers get ``PYTHONPATH=<checkout>/src:<checkout>/tests`` (so they import this checkout's
   ``cannikin``, not another copy), ``OMP_NUM_THREADS=1`` and unbuffered output. Call
   ``torch.set_num_threads(1)`` in the worker too.
-* ``run_torchrun`` runs one agent (``--standalone`` by default; ``max_restarts`` > 0 lets the
-  agent restart failed workers). ``start_agents`` runs several agents on one c10d rendezvous
-  (``--nnodes=MIN:MAX``, ``last_call_timeout=1`` so start-up is not 30 s), on a fresh port and
-  rendezvous id, so concurrent tests never merge into one world; the first agent hosts the
-  rendezvous store, so kill another one to emulate a lost node (``ElasticJob.kill_agent``).
-* Every job runs in its own session and is killed with its workers (SIGKILL to the process
-  group) when ``timeout_s`` passes: a hung worker fails the test (``timed_out`` is True,
+* ``run_torchrun`` runs one ``--standalone`` agent (``max_restarts`` > 0 lets it restart
+  failed workers); ``start_torchrun`` starts one without waiting, so several jobs can share
+  their start-up time (``job.wait(timeout_s)`` collects them).
+* ``start_agents`` runs several agents on one c10d rendezvous (``--nnodes=MIN:MAX``,
+  ``last_call_timeout=1`` so start-up is not 30 s, 1 s heartbeats so a lost agent is dropped
+  from the next round within ~5 s), on a fresh port and rendezvous id, so concurrent tests
+  never merge into one world; the first agent hosts the rendezvous store, so kill another one
+  to emulate a lost node (``ElasticJob.kill_agent``).
+* Every agent is killed with all its workers (SIGKILL to the process tree) when ``timeout_s``
+  passes: a hung worker fails the test (``timed_out`` is True,
   ``returncode`` is -9), it never hangs the suite.
 """
 
@@ -91,7 +94,7 @@ class ElasticJob:
 
     def kill_agent(self, index: int) -> None:
         """SIGKILL agent ``index`` and its workers, as a lost node would vanish."""
-        os.killpg(self.agents[index].proc.pid, signal.SIGKILL)
+        _kill_tree(self.agents[index].proc.pid)
         self.killed.add(index)
 
     def wait(self, timeout_s: float) -> list[JobResult]:
@@ -104,17 +107,35 @@ class ElasticJob:
                 agent.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out = True
-                os.killpg(agent.proc.pid, signal.SIGKILL)
+                _kill_tree(agent.proc.pid)
                 agent.proc.wait()
             results.append(JobResult(agent.proc.returncode, _read(agent.out), _read(agent.err),
                                      time.monotonic() - agent.started, timed_out))
-        self._kill_leftover_workers()
         return results
 
-    def _kill_leftover_workers(self) -> None:
-        for agent in self.agents:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(agent.proc.pid, signal.SIGKILL)
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> child pids of every process visible in /proc."""
+    tree: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")"
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            tree.setdefault(ppid, []).append(int(stat.parent.name))
+    return tree
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants. torchrun starts each worker in a session of
+    its own, so killing the agent's process group would leave its workers running."""
+    tree, family, todo = _children(), [], [pid]
+    while todo:
+        current = todo.pop()
+        family.append(current)
+        todo += tree.get(current, [])
+    for member in family:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
 
 
 def _read(handle: IO[bytes]) -> str:
@@ -135,14 +156,18 @@ def _start(cmd: Sequence[str], env: Mapping[str, str]) -> _Agent:
 def torchrun_command(script: str | Path, *, nproc_per_node: int, nnodes: str = "1",
                      max_restarts: int = 0, rdzv_endpoint: str | None = None,
                      rdzv_id: str | None = None, is_host: bool | None = None,
-                     script_args: Sequence[str] = ()) -> list[str]:
-    """The ``python -m torch.distributed.run`` command line; no endpoint means ``--standalone``."""
+                     last_call_s: float = 1.0, script_args: Sequence[str] = ()) -> list[str]:
+    """The ``python -m torch.distributed.run`` command line; no endpoint means ``--standalone``.
+
+    ``last_call_s``: how long a rendezvous that has its minimum of nodes waits for more.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
            f"--nnodes={nnodes}", f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
     if rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
-        conf = "last_call_timeout=1"
+        # last call short instead of 30 s; a dead agent is noticed after 5 s of silent heartbeats
+        conf = f"last_call_timeout={last_call_s:g},keep_alive_interval=1,keep_alive_max_attempt=5"
         if is_host is not None:
             conf += f",is_host={int(is_host)}"
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
@@ -150,23 +175,32 @@ def torchrun_command(script: str | Path, *, nproc_per_node: int, nnodes: str = "
     return [*cmd, str(script), *script_args]
 
 
+def start_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[str] = (),
+                   max_restarts: int = 0, env: Mapping[str, str] | None = None) -> ElasticJob:
+    """Start ``script`` on ``nproc`` local workers under one standalone agent; not waiting."""
+    cmd = torchrun_command(script, nproc_per_node=nproc, max_restarts=max_restarts,
+                           script_args=script_args)
+    return ElasticJob([_start(cmd, worker_env(env))])
+
+
 def run_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[str] = (),
                  timeout_s: float = 120.0, max_restarts: int = 0,
                  env: Mapping[str, str] | None = None) -> JobResult:
     """Run ``script`` on ``nproc`` local workers under one standalone agent, hard timeout."""
-    cmd = torchrun_command(script, nproc_per_node=nproc, max_restarts=max_restarts,
-                           script_args=script_args)
-    job = ElasticJob([_start(cmd, worker_env(env))])
+    job = start_torchrun(script, nproc=nproc, script_args=script_args,
+                         max_restarts=max_restarts, env=env)
     return job.wait(timeout_s)[0]
 
 
 def start_agents(script: str | Path, *, nnodes: int, min_nodes: int | None = None,
                  nproc_per_node: int = 1, max_restarts: int = 0,
-                 script_args: Sequence[str] = (),
+                 script_args: Sequence[str] = (), last_call_s: float = 1.0,
                  env: Mapping[str, str] | None = None) -> ElasticJob:
     """Start ``nnodes`` agents on one fresh c10d rendezvous (``--nnodes=min_nodes:nnodes``).
 
-    Agent 0 hosts the rendezvous store; the others are clients of it.
+    Agent 0 hosts the rendezvous store; the others are clients of it. With ``min_nodes`` below
+    ``nnodes`` the first round completes ``last_call_s`` after the minimum has joined, so a test
+    that needs every agent in the first world must allow for the slowest agent's start-up.
     """
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv_id = uuid.uuid4().hex
@@ -175,7 +209,8 @@ def start_agents(script: str | Path, *, nnodes: int, min_nodes: int | None = Non
     for index in range(nnodes):
         cmd = torchrun_command(script, nproc_per_node=nproc_per_node, nnodes=span,
                                max_restarts=max_restarts, rdzv_endpoint=endpoint,
-                               rdzv_id=rdzv_id, is_host=(index == 0), script_args=script_args)
+                               rdzv_id=rdzv_id, is_host=(index == 0),
+                               last_call_s=last_call_s, script_args=script_args)
         job.agents.append(_start(cmd, worker_env(env)))
         if index == 0:
             time.sleep(0.5)  # let the host agent bind the rendezvous store first

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +118,33 @@ def test_unwritable_output_paths(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_config_round_trips_through_json() -> None:
     config = config_of(["--speeds", "1,2.5,4", "--steps", "5"])
     assert DemoConfig.from_json(config.to_json()) == config
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--speeds", "1,2,4", "--workers", "2"], "--workers is 2"),
+    (["--bogus"], "--bogus"),
+])
+def test_installed_command_exits_2_with_one_line(argv: list[str], needle: str) -> None:
+    """Through the real entry point (cannikin.cli.main), in a fresh interpreter."""
+    src = Path(__file__).resolve().parents[1] / "src"
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from cannikin.cli import main; sys.exit(main())",
+         "demo", *argv],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(src)},
+    )
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_parent_side_never_imports_torch() -> None:
+    """The parent process only launches and reports: importing it with torch blocked works."""
+    from test_pure_imports import BLOCK_TORCH
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    modules = ["cannikin.cli.demo", "cannikin.demo.run", "cannikin.demo.progress",
+               "cannikin.demo.plot", "cannikin.demo.digits"]
+    code = "\n".join(BLOCK_TORCH.format(module=m) for m in modules)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": str(src)})
+    assert result.returncode == 0, result.stderr

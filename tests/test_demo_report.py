@@ -101,8 +101,9 @@ def test_table_shows_both_runs_and_the_ideal(report: dict[str, Any]) -> None:
     rows = {row[0]: row[1:] for row in table_rows(report)}
     assert rows["throughput, samples/s"] == ("52", "105 (2.00x)", "ideal 122")
     assert rows["local batches"][:2] == ("7 7 7", "3 6 12")
-    assert rows["step predicted/measured"][1] == "220.0 / 200.0 ms"
-    assert rows["samples seen (of 30)"][1] == "all, 1/1 epochs"
+    assert rows["predicted/measured ms"][1] == "220.0 / 200.0"
+    assert rows["epochs, all samples"][1:] == ("1/1", "30 per epoch")
+    assert rows["samples used twice"][:2] == ("0", "0")
     console = Console(record=True, width=140)
     console.print(render_table(report))
     assert "Cannikin" in console.export_text()

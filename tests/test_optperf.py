@@ -188,11 +188,11 @@ def test_bad_clusters() -> None:
 
 def test_step_times_for_a_range_match_single_splits() -> None:
     rng = np.random.default_rng(4)
-    for _ in range(20):
+    for _ in range(12):
         cluster = random_cluster(rng, int(rng.integers(1, 20)), int(rng.integers(1, 4)))
         lo, hi = bounds(cluster, 10**6)
         first = int(rng.integers(lo, min(hi, lo + 300) + 1))
-        last = int(rng.integers(first, min(hi, first + 300) + 1))
+        last = int(rng.integers(first, min(hi, first + 200) + 1))
         times = Splitter(cluster).step_times(first, last)
         ref = [optimal_split(cluster, total).step_time for total in range(first, last + 1)]
         assert times == pytest.approx(ref, rel=1e-12)
@@ -219,6 +219,33 @@ def test_large_cluster_matches_lp() -> None:
     plan = optimal_split(cluster, lo + 16 * 1024)
     bound = lp_bound(cluster, lo + 16 * 1024)
     assert bound <= plan.step_time <= bound + float(cluster.arrays.slopes.max())
+
+
+def test_extreme_magnitudes() -> None:
+    """Slopes and offsets over 12 orders of magnitude (1e-9 s/sample next to 1e3 s): float
+    rounding in inverting tau must neither lose a sample nor break the bounds."""
+    rng = np.random.default_rng(9)
+    for _ in range(300):
+        n, m = int(rng.integers(1, 40)), int(rng.integers(1, 5))
+        nodes = []
+        for _ in range(n):
+            lo = int(rng.integers(0, 3))
+            hi = int(lo + rng.integers(1, 10 ** int(rng.integers(1, 5)))) if rng.random() < 0.6 \
+                else None
+            nodes.append(NodeModel(
+                fwd=(float(10 ** rng.uniform(-9, 3)), float(10 ** rng.uniform(-9, 3))),
+                bwd=(float(10 ** rng.uniform(-9, 3)), float(10 ** rng.uniform(-9, 3))),
+                min_batch=lo, max_batch=hi))
+        rho = [*np.sort(rng.uniform(0, 1, m - 1)).tolist(), 1.0]
+        cluster = ClusterModel(nodes=nodes, comm=CommModel(
+            buckets=[(r, float(10 ** rng.uniform(-6, 2))) for r in rho]))
+        lo_sum, hi_sum = bounds(cluster, 10**7)
+        total = int(rng.integers(lo_sum, min(hi_sum, lo_sum + 10 ** int(rng.integers(1, 6))) + 1))
+        plan = optimal_split(cluster, total)
+        assert sum(plan.local_batches) == total and within_bounds(cluster, plan.local_batches)
+        bound = step_time_curve(cluster)(total)
+        assert bound * (1 - 1e-9) <= plan.step_time
+        assert plan.step_time <= bound + float(cluster.arrays.slopes.max()) + 1e-9 * bound
 
 
 def test_deterministic() -> None:
@@ -264,7 +291,7 @@ def within_bounds(cluster: ClusterModel, local: tuple[int, ...]) -> bool:
                for n, b in zip(cluster.nodes, local, strict=True))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(clusters())
 def test_properties(case: tuple[ClusterModel, int]) -> None:
     cluster, total = case

@@ -84,6 +84,8 @@ def test_binding_buckets_give_the_same_envelope() -> None:
 def test_cluster_rejects_empty_and_bad_splits() -> None:
     with pytest.raises(ValueError, match="at least one node"):
         ClusterModel(nodes=[])
+    with pytest.raises(ValueError, match="node 1 must be a NodeModel, got NoneType"):
+        ClusterModel(nodes=[NodeModel(fwd=(0, 1), bwd=(0, 1)), None])  # type: ignore[list-item]
     cluster = ClusterModel(nodes=[NodeModel(fwd=(0, 1), bwd=(0, 1))] * 2)
     with pytest.raises(ValueError, match="expected \\(2,\\)"):
         cluster.step_time([1, 2, 3])

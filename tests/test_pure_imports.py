@@ -9,7 +9,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PURE = ["cannikin", "cannikin.perf", "cannikin.optperf", "cannikin.goodput", "cannikin.gns",
-        "cannikin.scaling"]
+        "cannikin.scaling", "cannikin.sim", "cannikin.cli.simulate", "cannikin.cli.plan"]
 
 BLOCK_TORCH = """
 import sys

@@ -13,9 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cannikin.cli import _Parser
-from cannikin.cli import plan as plan_cli
-from cannikin.cli import simulate as simulate_cli
+from cannikin.cli import main
 from cannikin.optperf import optimal_split
 from cannikin.sim import ClusterSpec, GroundTruth, NoiseConfig, SimConfig, Slowdown, compare
 from cannikin.sim import workload as get_workload
@@ -208,12 +206,7 @@ def test_same_seed_same_result_other_seed_differs() -> None:
 # --- CLI -------------------------------------------------------------------------------------
 
 def _cli(argv: list[str]) -> int:
-    parser = _Parser(prog="cannikin")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    simulate_cli.register(sub)
-    plan_cli.register(sub)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    return main(argv)
 
 
 CLUSTER_TOML = """
@@ -252,11 +245,20 @@ def test_simulate_cli_writes_json_and_plot(tmp_path: Path, capsys) -> None:
     (["simulate", "--workload", "resnet9000"], "unknown workload"),
     (["simulate", "--cluster", "{bad}"], "unknown cluster"),
     (["plan", "--cluster", "paper16", "--batch", "3"], "does not fit"),
+    (["simulate", "--policies", "ddp,magic"], "unknown policy 'magic'"),
+    (["simulate", "--target-epochs", "0"], "must be > 0"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv: list[str], message: str, capsys) -> None:
     assert _cli(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_cli_argparse_errors_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _cli(["plan", "--cluster", "paper16", "--batch", "many"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_cli_rejects_unknown_device_file(tmp_path: Path, capsys) -> None:
@@ -271,3 +273,14 @@ def test_plan_cli_example_cluster(capsys) -> None:
     assert _cli(["plan", "--cluster", str(example), "--batch", "1024"]) == 0
     out = capsys.readouterr().out
     assert "predicted step time" in out and out.count("A100") >= 4
+
+
+def test_cannikin_matches_adaptdl_when_homogeneous_and_wins_when_not() -> None:
+    wl = short("bert-base-squad", epochs=0.5)
+    cfg = SimConfig(seed=0)
+    homo = compare(ClusterSpec(devices=("V100",) * 4), wl, cfg, ("adaptdl", "cannikin")).summary()
+    ratio = homo["cannikin"]["time_to_target_s"] / homo["adaptdl"]["time_to_target_s"]
+    assert ratio == pytest.approx(1.0, abs=0.05)
+    hetero = compare(SMALL, wl, cfg, ("adaptdl", "cannikin", "oracle")).summary()
+    assert hetero["cannikin"]["time_to_target_s"] < 0.8 * hetero["adaptdl"]["time_to_target_s"]
+    assert hetero["cannikin"]["ratio_to_oracle"] < 1.15

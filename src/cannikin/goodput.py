@@ -29,10 +29,11 @@ logger = logging.getLogger(__name__)
 
 # The best continuous candidates split in integers to bound the integer optimum from below.
 _SEEDS = 2
-# Relative slack on that bound so rounding cannot exclude the true maximiser.
-_REACH_SLACK = 1e-9
+# Relative slack on that bound so rounding (of the continuous curve, accurate to ~1e-9
+# relative even for 12 orders of magnitude between slopes) cannot exclude the maximiser.
+_REACH_SLACK = 1e-6
 # At most this many integer totals are evaluated; a wider candidate range (a goodput
-# curve flat to ~1e-9, e.g. B up to 1e9 with infinite noise) is scanned around the best
+# curve flat to ~1e-6, e.g. B up to 1e9 with infinite noise) is scanned around the best
 # peak, which is then within one sample's cost of the exact maximiser rather than exact.
 MAX_SCAN = 1 << 18
 

@@ -89,6 +89,8 @@ def checked_arrays(cluster: ClusterModel) -> ClusterArrays:
 
 def _per_worker(values: FloatArray, like: FloatArray) -> FloatArray:
     """Reshape per-worker ``values`` (n,) or (n, m) to broadcast against ``like[..., None]``."""
+    if like.ndim == 1:
+        return values
     extra = (1,) * (like.ndim - 1)
     shape = (values.shape[0], *extra, values.shape[1]) if values.ndim == 2 else (
         values.shape[0], *extra)
@@ -105,8 +107,7 @@ def _times(arr: ClusterArrays, batches: FloatArray) -> FloatArray:
 def _supply(arr: ClusterArrays, t: FloatArray) -> FloatArray:
     """``clip(beta_i(t_i), lo_i, hi_i)``: what worker i can take by time t; t is (n,) or (n, k)."""
     offsets, slopes = _per_worker(arr.offsets, t), _per_worker(arr.slopes, t)
-    with np.errstate(invalid="ignore"):
-        beta = np.min((t[..., None] - offsets) / slopes, axis=-1)
+    beta = np.min((t[..., None] - offsets) / slopes, axis=-1)
     result: FloatArray = np.clip(beta, _per_worker(arr.lo, t), _per_worker(arr.hi, t))
     return result
 
@@ -145,8 +146,8 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
         cross_t = np.where(inside, _times(arr, cross), np.inf)
         columns.append(cross_t)
     cand = np.sort(np.concatenate(columns, axis=1), axis=1)
-    value = _supply(arr, cand)
     finite = np.isfinite(cand)
+    value = _supply(arr, np.where(finite, cand, 0.0))  # values past the last kink unused
     final = np.where(np.isinf(arr.hi), 1.0 / np.max(arr.slopes, axis=1), 0.0)
     both = finite[:, :-1] & finite[:, 1:]
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -160,10 +161,15 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
     delta = (after - before)[finite]
     order = np.argsort(times, kind="stable")
     times, delta = times[order], delta[order]
-    slope_after = np.cumsum(delta)
-    supply = float(np.sum(arr.lo)) + np.concatenate(
-        [[0.0], np.cumsum(slope_after[:-1] * np.diff(times))]
-    )
+    # Slope changes of +-1/a for a fast worker dwarf the others; summing them in extended
+    # precision (where the platform has it) keeps the small slopes between them accurate.
+    wide = np.cumsum(delta.astype(np.longdouble))
+    wide[-1] = np.sum(final)  # exact: the uncapped workers' asymptotic slopes
+    wide = np.maximum(wide, 0)
+    supply = (float(np.sum(arr.lo)) + np.concatenate(
+        [[0.0], np.cumsum(wide[:-1] * np.diff(times).astype(np.longdouble))]
+    )).astype(np.float64)
+    slope_after = wide.astype(np.float64)
     return _Breakpoints(times=times, supply=supply, slope_after=slope_after,
                         t_min=float(np.max(lo_t)))
 
@@ -252,6 +258,9 @@ def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
     room = _supply(arr, np.full(base.size, bound))
     fits = np.floor(room + 1e-9 * np.maximum(np.abs(room), 1.0)) - base
     counts = np.clip(fits, 0, arr.hi - base).astype(np.int64)
+    # Inverting tau loses digits when a slope is tiny next to the offset: never drop a
+    # first sample known to finish by the bound (so at least ``remaining`` are listed).
+    counts = np.maximum(counts, first <= bound)
     worker = np.repeat(np.arange(base.size), counts)
     step = np.arange(worker.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
     finish = np.max(arr.offsets[worker] + arr.slopes[worker] * (base[worker] + step)[:, None],

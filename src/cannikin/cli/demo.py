@@ -132,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from cannikin.demo import files
-    from cannikin.demo.launch import LaunchError, log_tail
+    from cannikin.demo.launch import LaunchError, failure_excerpt
     from cannikin.demo.report import render_table
     from cannikin.demo.run import run_demo
     from cannikin.log import setup_logging
@@ -144,9 +144,9 @@ def _run(args: argparse.Namespace) -> int:
         report = run_demo(config, out_dir=out_dir, timeout_s=args.timeout, console=err,
                           show_progress=args.progress, plot_path=args.plot)
     except LaunchError as error:
-        tail = log_tail(out_dir / files.WORKER_LOG)
-        if tail:
-            err.print(tail, markup=False, highlight=False)
+        excerpt = failure_excerpt(out_dir / files.WORKER_LOG)
+        if excerpt:
+            err.print(excerpt, markup=False, highlight=False, soft_wrap=True)
         print(f"cannikin demo: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

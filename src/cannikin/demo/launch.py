@@ -40,7 +40,8 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str]) -> list[str]:
 
 
 def worker_env(slowdowns: Sequence[float]) -> dict[str, str]:
-    """Environment for the workers: this checkout's cannikin, one thread, per-rank slowdown."""
+    """Environment for the workers: this checkout's cannikin, one thread, per-rank slowdown,
+    no GPU (several emulated workers cannot share one GPU under NCCL; they run on gloo)."""
     src = str(Path(cannikin.__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH")
     env = {
@@ -50,6 +51,7 @@ def worker_env(slowdowns: Sequence[float]) -> dict[str, str]:
         "MKL_NUM_THREADS": "1",
         "CANNIKIN_SLOWDOWN": ",".join(f"{s:g}" for s in slowdowns),
         "PYTHONUNBUFFERED": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # the emulated workers share this machine's CPU
     }
     if Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"
@@ -71,13 +73,19 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def log_tail(log_path: Path, lines: int = 15) -> str:
-    """The last lines of the workers' log, for an error message."""
+def failure_excerpt(log_path: Path, lines: int = 15) -> str:
+    """What to show when the workers failed: the first worker traceback in the log (the
+    root cause; torchrun's summary follows it), else the log's last lines."""
     try:
-        text = log_path.read_text(encoding="utf-8", errors="replace")
+        text = log_path.read_text(encoding="utf-8", errors="replace").splitlines()
     except FileNotFoundError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    start = next((i for i, line in enumerate(text) if line.startswith("Traceback")), None)
+    if start is None:
+        return "\n".join(text[-lines:])
+    end = next((i for i in range(start + 1, len(text)) if text[i] and not text[i][0].isspace()),
+               len(text) - 1)
+    return "\n".join(text[max(start, end + 1 - lines):end + 1])
 
 
 def run_local(

@@ -29,6 +29,17 @@ def _moving_throughput(train: Sequence[Mapping[str, Any]]) -> tuple[list[float],
     return times, rates
 
 
+def _epoch_starts(plans: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Steps that begin a new epoch (after the previous epoch's smaller remainder batch)."""
+    return [b["step"] for a, b in zip(plans, plans[1:], strict=False)
+            if b.get("epoch") != a.get("epoch")]
+
+
+def _legend_below(ax: Any) -> None:
+    ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2,
+              frameon=False)
+
+
 def write_plot(
     report: Mapping[str, Any], records: Sequence[Mapping[str, Any]], path: str | Path
 ) -> None:
@@ -37,7 +48,7 @@ def write_plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_split, ax_time, ax_rate) = plt.subplots(1, 3, figsize=(17, 5.2))
+    fig, (ax_split, ax_time, ax_rate) = plt.subplots(1, 3, figsize=(17, 6))
     speeds = report["speeds"]
 
     plans = _phase(records, "cannikin", "plan")
@@ -46,6 +57,9 @@ def write_plot(
     for rank, speed in enumerate(speeds):
         ax_split.plot(steps, [r["local_batches"][rank] for r in plans], lw=2,
                       color=palette((rank + 2) % 10), label=f"worker {rank} (speed {speed:g})")
+    if report["adaptive_batch"]:
+        ax_split.plot(steps, [r["total_batch"] for r in plans], color="black", ls=":", lw=1.5,
+                      label="total batch (chosen by goodput)")
     even_plans = _phase(records, "even", "plan")
     ax_split.plot([r["step"] for r in even_plans],
                   [sum(r["local_batches"]) / len(speeds) for r in even_plans],
@@ -53,7 +67,11 @@ def write_plot(
     ax_split.set(title="Cannikin: local batch size per worker", xlabel="step",
                  ylabel="local batch (samples)")
     ax_split.set_ylim(bottom=0)
-    ax_split.legend(fontsize=9)
+    for ax in (ax_split, ax_time):
+        for i, step in enumerate(_epoch_starts(plans)):
+            ax.axvline(step, color="black", lw=0.6, alpha=0.3,
+                       label="new epoch (after a smaller remainder batch)" if i == 0 else None)
+    _legend_below(ax_split)
 
     for phase, title in PHASE_TITLES.items():
         rows = _phase(records, phase, "plan")
@@ -66,7 +84,7 @@ def write_plot(
                      "-", lw=2, color=color, label=f"{title}: predicted")
     ax_time.set(title="Step time: measured vs predicted", xlabel="step", ylabel="ms")
     ax_time.set_ylim(bottom=0)
-    ax_time.legend(fontsize=9)
+    _legend_below(ax_time)
 
     for phase, title in PHASE_TITLES.items():
         times, rates = _moving_throughput(_phase(records, phase, "train"))
@@ -75,14 +93,14 @@ def write_plot(
     ax_rate.axhline(report["ideal_throughput"], color="black", ls="--", lw=1.5,
                     label=f"ideal (sum of speeds): {report['ideal_throughput']:.0f}")
     ax_rate.set(title=f"Throughput ({THROUGHPUT_WINDOW}-step moving window)",
-                xlabel="seconds into the run", ylabel="samples / s")
+                xlabel="seconds into each run", ylabel="samples / s")
     ax_rate.set_ylim(bottom=0)
-    ax_rate.legend(fontsize=9, loc="lower right")
+    _legend_below(ax_rate)
 
     for ax in (ax_split, ax_time, ax_rate):
         ax.grid(alpha=0.3)
     fig.suptitle(f"cannikin demo: {len(speeds)} workers, speeds "
                  f"{', '.join(f'{s:g}' for s in speeds)}", fontsize=13)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -26,15 +26,18 @@ class DemoProgress:
             MofNCompleteColumn(),
             TextColumn("samples"),
             TextColumn("{task.fields[rate]}"),
-            TextColumn("split [cyan]{task.fields[split]}[/]"),
-            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("[cyan]{task.fields[split]}[/]"),
+            TextColumn("{task.fields[loss]}"),
             TimeElapsedColumn(),
             console=console,
             disable=not (enabled and console.is_terminal),
         )
+        self._startup = self._progress.add_task(
+            "starting workers", total=None, rate="", split="", loss=""
+        )
         self._tasks = {
             phase: self._progress.add_task(
-                title, total=budget, start=False, rate="", split="-", loss="-"
+                title, total=budget, start=False, rate="", split="", loss=""
             )
             for phase, title in PHASE_TITLES.items()
         }
@@ -59,15 +62,16 @@ class DemoProgress:
             if phase not in self._tasks:
                 continue
             task = self._tasks[phase]
+            self._progress.update(self._startup, visible=False)
             self._progress.start_task(task)
             if record.get("kind") == "plan" and record.get("local_batches") is not None:
                 split = "/".join(str(b) for b in record["local_batches"])
-                self._progress.update(task, split=split)
+                self._progress.update(task, split=f"split {split}")
             elif record.get("kind") == "train":
                 recent = self._recent[phase]
                 recent.append((record["wall_s"], record["samples"]))
                 loss = record.get("loss")  # None on a step where rank 0 had no samples
-                fields: dict[str, Any] = {} if loss is None else {"loss": f"{loss:.3f}"}
+                fields: dict[str, Any] = {} if loss is None else {"loss": f"loss {loss:.3f}"}
                 if len(recent) > 1 and recent[-1][0] > recent[0][0]:
                     dt = recent[-1][0] - recent[0][0]
                     steps_s = (len(recent) - 1) / dt

@@ -126,10 +126,8 @@ def build_report(
     }
 
 
-def _ms(seconds: float | None, unit: bool = True) -> str:
-    if seconds is None:
-        return "-"
-    return f"{1000 * seconds:.1f}" + (" ms" if unit else "")
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f}"
 
 
 def _pct(fraction: float | None) -> str:
@@ -142,22 +140,23 @@ def table_rows(report: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
     n = report["train_size"]
 
     def step_times(phase: Mapping[str, Any]) -> str:
-        pred, meas = phase["predicted_step_time_s"], phase["measured_step_time_s"]
-        return f"{_ms(pred, unit=False)} / {_ms(meas)}"
+        return f"{_ms(phase['predicted_step_time_s'])} / {_ms(phase['measured_step_time_s'])}"
 
-    def coverage(phase: Mapping[str, Any]) -> str:
+    def complete(phase: Mapping[str, Any]) -> str:
         seen = phase["samples_seen_per_epoch"]
-        full = sum(1 for s in seen if s == n)
-        return f"all, {full}/{len(seen)} epochs"
+        return f"{sum(1 for s in seen if s == n)}/{len(seen)}"
+
+    def repeated(phase: Mapping[str, Any]) -> str:
+        return str(sum(phase["repeated_samples_per_epoch"]))
 
     return [
         ("throughput, samples/s", f"{even['throughput']:.0f}",
          f"{can['throughput']:.0f} ({report['speedup']:.2f}x)",
          f"ideal {report['ideal_throughput']:.0f}"),
-        ("mean step time", _ms(even["mean_step_time_s"]), _ms(can["mean_step_time_s"]), ""),
-        ("step predicted/measured", step_times(even), step_times(can), "2nd half"),
+        ("mean step time, ms", _ms(even["mean_step_time_s"]), _ms(can["mean_step_time_s"]), ""),
+        ("predicted/measured ms", step_times(even), step_times(can), "2nd half"),
         ("prediction error", _pct(even["prediction_error_median"]),
-         _pct(can["prediction_error_median"]), "median/window"),
+         _pct(can["prediction_error_median"]), "per window"),
         ("local batches", " ".join(map(str, even["local_batches"])),
          " ".join(map(str, can["local_batches"])),
          "speeds " + " ".join(f"{s:g}" for s in report["speeds"])),
@@ -166,7 +165,8 @@ def table_rows(report: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
         ("final training loss", f"{even['final_loss']:.3f}", f"{can['final_loss']:.3f}", ""),
         ("held-out accuracy", _pct(even["accuracy"]), _pct(can["accuracy"]),
          f"{report['test_size']} images"),
-        (f"samples seen (of {n})", coverage(even), coverage(can), "exactly once"),
+        ("epochs, all samples", complete(even), complete(can), f"{n} per epoch"),
+        ("samples used twice", repeated(even), repeated(can), "exactly once"),
     ]
 
 

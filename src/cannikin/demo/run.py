@@ -10,8 +10,9 @@ from typing import Any
 
 from rich.console import Console
 
-from cannikin.demo import files
+from cannikin.demo import digits, files
 from cannikin.demo.config import DemoConfig
+from cannikin.demo.digits import save_digits_split
 from cannikin.demo.launch import run_local, torchrun_command, worker_env
 from cannikin.demo.metrics import JsonlTail, LineTail, read_jsonl
 from cannikin.demo.report import PHASE_TITLES, build_report
@@ -19,8 +20,6 @@ from cannikin.demo.report import PHASE_TITLES, build_report
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "cannikin.demo.worker"
-DIGITS_TRAIN_SIZE = 1437
-"""Training samples of the digits split (1797 images, 20% held out, rounded as sklearn does)."""
 
 
 def run_demo(
@@ -35,6 +34,7 @@ def run_demo(
     for stale in (files.METRICS, files.WORKER_LOG):
         (out_dir / stale).unlink(missing_ok=True)
     files.write_json(out_dir / files.CONFIG, config.to_json())
+    train_size = save_digits_split(out_dir / digits.FILE, config.seed)
     command = torchrun_command(
         config.workers, WORKER_MODULE,
         ["--config", str(out_dir / files.CONFIG), "--out", str(out_dir)],
@@ -43,13 +43,13 @@ def run_demo(
     metrics = JsonlTail(out_dir / files.METRICS)
     log_lines = LineTail(out_dir / files.WORKER_LOG)
     start = time.monotonic()
-    with DemoProgress(config.sample_budget(DIGITS_TRAIN_SIZE), console, show_progress) as bar:
+    with DemoProgress(config.sample_budget(train_size), console, show_progress) as bar:
 
         def poll() -> None:
             bar.update(metrics.read_new())
             if config.verbose:
                 for line in log_lines.read_new():
-                    bar.console.print(line, markup=False, highlight=False)
+                    bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
         run_local(command, env=env, log_path=out_dir / files.WORKER_LOG, timeout_s=timeout_s,
                   on_poll=poll)

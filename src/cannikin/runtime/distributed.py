@@ -10,16 +10,17 @@ the runtime is given. It also carries two fixes that every user script would oth
 * **Elastic restarts on a shared store.** torchrun (torch >= 2.4) lets every restarted worker
   group reuse the agent's TCPStore. ``init_process_group(init_method="env://")`` then reads the
   *previous* group's gloo addresses and fails with "Gloo connectFullMesh failed ... Connection
-  refused". We build the store ourselves and wrap it in a ``PrefixStore`` keyed by
-  ``TORCHELASTIC_RESTART_COUNT``, so each worker generation has its own keys. We chose this over
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` because that variable must be set in the *agent's*
-  environment (the torchrun command line), which a library running inside the worker cannot do.
-  Limitation: the restart count is per agent. In a multi-agent job where one agent restarts its
-  workers after a failure while another restarts healthy workers for a membership change, the
-  counts differ and the group cannot form; such launches should set
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (which gives each generation a fresh store and makes
-  the prefix harmless). A whole node lost, or every worker failing together, keeps the counts
-  equal.
+  refused". Each worker generation must use keys of its own. Keying them by
+  ``TORCHELASTIC_RESTART_COUNT`` (the obvious fix) is not enough: that count is per agent, and
+  when one agent restarts after its worker failed while another restarts a still-healthy worker
+  for the membership change, the counts differ and the group never forms (a connectFullMesh
+  timeout after a restart in one of ~5 runs of the lost-node test with that prefix).
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each generation a fresh store, but it must
+  be set in the *agent's* environment, which a library inside the worker cannot do. So the
+  workers agree on a generation number through the store itself
+  (:func:`_agree_on_generation`): rank 0 draws a new number with an atomic ``add`` and hands it
+  to each worker under a key named by that worker's random token, which no earlier generation
+  can have written; the process group is then built on a ``PrefixStore`` of that generation.
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import (  # type: ignore[attr-defined]  # re-exported from torch._C
+    HashStore,
+    PrefixStore,
+    Store,
+    TCPStore,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -103,20 +112,61 @@ def _choose_backend(backend: str | None) -> str:
     return backend
 
 
-def _make_store(env: Mapping[str, str], rank: int, world_size: int, restart_count: int,
-                timeout: timedelta) -> dist.Store:
+_POLL_S = 0.01
+
+
+def _agree_on_generation(store: Store, rank: int, world_size: int,
+                         timeout: timedelta) -> int:
+    """A number that every worker of this group gets and that no earlier group used.
+
+    Keys left by earlier generations may still be in a shared store, so a worker trusts only
+    keys that cannot be stale: one named by its own fresh token (for followers) or by the new
+    generation number (for the leader, rank 0).
+    """
+    if rank != 0:
+        token = uuid.uuid4().hex
+        store.set(f"cannikin/join/{rank}", token)
+        store.wait([f"cannikin/ack/{token}"], timeout)
+        generation = int(store.get(f"cannikin/ack/{token}"))
+        store.set(f"cannikin/ready/{generation}/{rank}", "1")
+        return generation
+    generation = int(store.add("cannikin/generation", 1))
+    ready = {r: f"cannikin/ready/{generation}/{r}" for r in range(1, world_size)}
+    acked: set[str] = set()
+    deadline = time.monotonic() + timeout.total_seconds()
+    while ready:
+        for r in list(ready):
+            if store.check([ready[r]]):
+                del ready[r]
+            elif store.check([f"cannikin/join/{r}"]):
+                token = store.get(f"cannikin/join/{r}").decode()
+                if token not in acked:  # a stale token is acked too; nobody waits for it
+                    store.set(f"cannikin/ack/{token}", str(generation))
+                    acked.add(token)
+        if ready:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank 0: ranks {sorted(ready)} did not join process-group generation "
+                    f"{generation} within {timeout.total_seconds():g} s")
+            time.sleep(_POLL_S)
+    return generation
+
+
+def _make_store(env: Mapping[str, str], rank: int, world_size: int,
+                timeout: timedelta) -> Store:
     """The store the group rendezvous on, with a key prefix per worker generation."""
     if world_size == 1 and "MASTER_ADDR" not in env:
-        return dist.HashStore()
+        return HashStore()
     host = env.get("MASTER_ADDR", "")
     if not host:
         raise ValueError("environment variable MASTER_ADDR must be set when WORLD_SIZE > 1")
     port = _env_int(env, "MASTER_PORT")
     # Under torchrun's shared store the agent hosts the server; otherwise rank 0 does.
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0 and not agent_store),
+    store = TCPStore(host, port, world_size, is_master=(rank == 0 and not agent_store),
                           timeout=timeout)
-    return dist.PrefixStore(f"cannikin/restart_{restart_count}", store)
+    generation = _agree_on_generation(store, rank, world_size, timeout)
+    return PrefixStore(f"cannikin/generation_{generation}", store)
 
 
 def init_distributed(backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -149,7 +199,7 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = DEFAULT_T
         logger.info("reusing the existing process group: %s", ctx)
         return ctx
     timeout = timedelta(seconds=timeout_s)
-    store = _make_store(env, rank, world_size, restart_count, timeout)
+    store = _make_store(env, rank, world_size, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     logger.info("process group ready: rank %d of %d, backend %s, device %s, restart %d",

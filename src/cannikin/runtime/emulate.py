@@ -123,7 +123,7 @@ def install_slowdown(module: nn.Module, factor: float, *, fixed_s: float, per_sa
             handle._advance(handle._forward, left)
         first = next((t for t in _tensors(output) if t.requires_grad), None)
         if first is not None:
-            first.register_hook(start_backward)
+            first.register_hook(start_backward)  # type: ignore[no-untyped-call]
 
     def start_backward(grad: torch.Tensor) -> None:
         target = handle.backward_scale * handle.forward_target_s(handle.batch)
@@ -140,7 +140,7 @@ def install_slowdown(module: nn.Module, factor: float, *, fixed_s: float, per_sa
     handle._hooks.append(module.register_forward_hook(end_forward))
     for param in params:
         share = param.numel() / total
-        handle._hooks.append(param.register_hook(
+        handle._hooks.append(param.register_hook(  # type: ignore[no-untyped-call]
             lambda grad, share=share: handle._advance(handle._backward, share)))
     return handle
 

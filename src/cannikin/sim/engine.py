@@ -36,7 +36,7 @@ class SimConfig:
     min_block_steps: int = 5
     max_block_steps: int = 200
     sampled_steps: int = 8
-    """Steps per block whose per-phase timings and gradient norms the policy sees."""
+    """Steps per block whose per-phase timings the policy sees (gradient norms: all)."""
     timer_cv: float = 0.01
     """Relative jitter of the profiler's timers on top of the true (noisy) times."""
     ready_jitter: float = 0.02
@@ -106,7 +106,8 @@ def _validate_split(split: Sequence[int], ctx: PolicyContext, policy: str) -> np
 
 def _measure(block_times: np.ndarray, block_fwd: np.ndarray, block_bwd: np.ndarray,
              block_comm: np.ndarray, split: np.ndarray, truth: GroundTruth, progress: float,
-             elapsed: float, cfg: SimConfig, rng: np.random.Generator) -> Measurement:
+             elapsed: float, cfg: SimConfig, rng: np.random.Generator,
+             gradient_norms: bool) -> Measurement:
     """What the profiler reports: sampled steps' phases and gradient norms, with jitter."""
     steps = len(block_times)
     k = min(cfg.sampled_steps, steps)
@@ -118,7 +119,10 @@ def _measure(block_times: np.ndarray, block_fwd: np.ndarray, block_bwd: np.ndarr
     rho = np.clip(truth.ready + rng.normal(0.0, cfg.ready_jitter, (k, len(truth.ready))),
                   0.0, 1.0)
     rho[:, -1] = 1.0
-    local_sq, global_sq = truth.gradient_sqnorms(split, progress, k, rng)
+    if gradient_norms:
+        local_sq, global_sq = truth.gradient_sqnorms(split, progress, steps, rng)
+    else:
+        local_sq, global_sq = np.zeros((0, len(split))), np.zeros(0)
     return Measurement(
         local_batches=tuple(int(x) for x in split), steps=steps, elapsed_s=elapsed,
         step_s=jitter(block_times), fwd_s=jitter(block_fwd[idx]), bwd_s=jitter(block_bwd[idx]),
@@ -155,7 +159,8 @@ def drive(truth: GroundTruth, policy: Policy, ctx: PolicyContext,
         duration = float(result.step_s.sum())
         t += duration
         measurement = _measure(result.step_s, result.fwd_s, result.bwd_s, result.allreduce_s,
-                               split, truth, progress / target, t, cfg, rng)
+                               split, truth, progress / target, t, cfg, rng,
+                               policy.needs_gradient_norms)
         progress += k * per_step
         steps += k
         samples += k * total

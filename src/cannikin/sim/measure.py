@@ -51,8 +51,8 @@ class PolicyContext:
 class Measurement:
     """What the runtime's profiler reports for one block of steps with one split.
 
-    Per-phase timings and gradient norms are reported for ``sampled`` steps of the block
-    (the same subsampling for every policy); step times for all of them.
+    Step times and gradient norms are reported for every step of the block, per-phase
+    timings for ``sampled`` steps of it (the same subsampling for every policy).
     """
 
     local_batches: tuple[int, ...]
@@ -70,9 +70,9 @@ class Measurement:
     allreduce_s: np.ndarray
     """(sampled, m) measured duration of each bucket's all-reduce."""
     local_sqnorms: np.ndarray
-    """(sampled, n) |g_i|^2 of each worker's local mean gradient."""
+    """(steps, n) |g_i|^2 of each worker's local mean gradient; (0, n) if not gathered."""
     global_sqnorm: np.ndarray
-    """(sampled,) |g|^2 of the all-reduced gradient."""
+    """(steps,) |g|^2 of the all-reduced gradient."""
 
     def __post_init__(self) -> None:
         for name in ("step_s", "fwd_s", "bwd_s", "ready_fractions", "allreduce_s",

@@ -55,6 +55,8 @@ class Policy(ABC):
     """Decides the next split; learns from the measurement of the steps it ran."""
 
     name: ClassVar[str]
+    needs_gradient_norms: ClassVar[bool] = False
+    """Whether its runtime gathers per-worker gradient norms (costly to simulate)."""
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
@@ -117,24 +119,43 @@ class LBBSP(Policy):
 class _Learning(Policy):
     """Shared learning state: speed fitters, comm fitter, noise-scale tracker.
 
-    Learned linear models are trusted only near the batch sizes they were measured at:
-    a worker's local batch may grow to at most ``extrapolation`` times the largest it has
-    run (real devices are sub-linear at small batches, so a line fitted there
-    extrapolates to wildly optimistic speeds).
+    The first block runs the start batch evenly and the second a probe at twice that
+    (as Cannikin's initial profiling does), so every speed model has two distinct batch
+    sizes before it is used; a model fitted from one batch size is proportional and
+    would never justify a larger batch. Learned lines are trusted only near the batch
+    sizes they were measured at: a worker's local batch may grow to at most
+    ``extrapolation`` times the largest it has run (real devices are sub-linear at small
+    batches, so a line fitted there extrapolates to wildly optimistic speeds).
     """
 
     extrapolation: ClassVar[float] = 2.0
+    probe_factor: ClassVar[int] = 2
+    needs_gradient_norms = True
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
+        self._blocks = 0
         self._seen = np.zeros(ctx.num_workers, dtype=np.int64)
         self._comm = CommFitter()
-        self._noise = NoiseScaleTracker()
+        self._noise = NoiseScaleTracker(init_batch=ctx.init_batch)
         self._batch = ctx.start_batch
         self._predicted = math.nan
 
     def predicted_step_time(self) -> float:
         return self._predicted
+
+    def decide(self) -> tuple[int, ...]:
+        if self._blocks == 0:
+            return self._even(self._batch)
+        if self._blocks == 1:
+            probe = min(self.probe_factor * self._batch, self.ctx.max_batch,
+                        int(self._caps.sum()))
+            return self._even(probe)
+        return self._plan()
+
+    @abstractmethod
+    def _plan(self) -> tuple[int, ...]:
+        """The split from the learned models (called once both profiling blocks ran)."""
 
     def _noise_scale(self) -> float | None:
         phi = self._noise.noise_scale()
@@ -161,6 +182,7 @@ class _Learning(Policy):
         return np.minimum(self._caps, grown)
 
     def _observe_common(self, m: Measurement) -> None:
+        self._blocks += 1
         self._seen = np.maximum(self._seen, np.asarray(m.local_batches, dtype=np.int64))
         for rho, comm in zip(m.ready_fractions, m.allreduce_s, strict=True):
             self._comm.add(list(rho), list(comm))
@@ -183,7 +205,7 @@ class AdaptDL(_Learning):
         super().__init__(ctx)
         self._node = NodeFitter()
 
-    def decide(self) -> tuple[int, ...]:
+    def _plan(self) -> tuple[int, ...]:
         model = self._node.fit(name="replica")
         comm = self._comm.fit()
         if model is None or comm is None:
@@ -210,14 +232,15 @@ class Cannikin(_Learning):
         super().__init__(ctx)
         self._nodes = [NodeFitter() for _ in range(ctx.num_workers)]
 
-    def decide(self) -> tuple[int, ...]:
+    def _plan(self) -> tuple[int, ...]:
         comm = self._comm.fit()
         caps = self._trusted_caps()
         models = [f.fit(name=str(i), min_batch=1, max_batch=int(cap))
                   for i, (f, cap) in enumerate(zip(self._nodes, caps, strict=True))]
-        if comm is None or any(mdl is None for mdl in models):
+        fitted = [mdl for mdl in models if mdl is not None]
+        if comm is None or len(fitted) < len(models):
             return self._even(self._batch)
-        return self._choose(ClusterModel(nodes=models, comm=comm))
+        return self._choose(ClusterModel(nodes=fitted, comm=comm))
 
     def observe(self, m: Measurement) -> None:
         for i, fitter in enumerate(self._nodes):

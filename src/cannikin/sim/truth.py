@@ -30,6 +30,8 @@ from cannikin.sim.profiles import Workload, device
 
 #: Dimension of the simulated gradient vectors (isotropic Gaussian noise model).
 GRAD_DIM = 64
+#: Normal draws per chunk when simulating gradients (bounds memory for large clusters).
+_GRAD_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,9 +42,9 @@ class NoiseConfig:
     """Per-step multiplicative noise (log-normal sigma) of each worker's compute phases."""
     comm_cv: float = 0.05
     """Per-step multiplicative noise of each bucket's all-reduce time."""
-    spike_prob: float = 0.003
+    spike_prob: float = 0.001
     """Probability that a worker's step is hit by a pause."""
-    spike_factor: tuple[float, float] = (1.5, 3.0)
+    spike_factor: tuple[float, float] = (1.3, 2.0)
     """Range of the slow-down a pause causes (uniform)."""
 
     def __post_init__(self) -> None:
@@ -136,7 +138,7 @@ class GroundTruth:
         """True per-sample noise scale at training progress ``progress`` in [0, 1]."""
         w = self.workload
         p = min(max(progress, 0.0), 1.0)
-        return w.noise_scale_start * (w.noise_scale_end / w.noise_scale_start) ** p
+        return float(w.noise_scale_start * (w.noise_scale_end / w.noise_scale_start) ** p)
 
     @staticmethod
     def grad_sqr(progress: float) -> float:
@@ -158,11 +160,19 @@ class GroundTruth:
         b = np.asarray(local_batches, dtype=float)
         g2 = self.grad_sqr(progress)
         s = self.noise_scale(progress) * g2
-        mean = np.sqrt(g2 / GRAD_DIM)
-        noise = rng.standard_normal((steps, len(b), GRAD_DIM))
-        local = mean + noise * np.sqrt(s / (b * GRAD_DIM))[None, :, None]
-        glob = np.einsum("i,sid->sd", b / b.sum(), local)
-        return (local ** 2).sum(axis=2), (glob ** 2).sum(axis=1)
+        mean = np.float32(np.sqrt(g2 / GRAD_DIM))
+        scale = np.sqrt(s / (b * GRAD_DIM)).astype(np.float32)[None, :, None]
+        weights = (b / b.sum()).astype(np.float32)
+        chunk = max(1, _GRAD_CHUNK // (len(b) * GRAD_DIM))
+        local_sq, global_sq = [], []
+        for start in range(0, steps, chunk):
+            noise = rng.standard_normal((min(chunk, steps - start), len(b), GRAD_DIM),
+                                        dtype=np.float32)
+            local = mean + noise * scale
+            local_sq.append((local ** 2).sum(axis=2, dtype=np.float64))
+            global_sq.append((np.einsum("i,sid->sd", weights, local) ** 2).sum(
+                axis=1, dtype=np.float64))
+        return np.concatenate(local_sq), np.concatenate(global_sq)
 
     # --- linearised views (the oracle and `cannikin plan`) ------------------------------
 
