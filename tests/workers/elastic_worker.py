@@ -2,13 +2,14 @@
 
 Every rank appends one JSON line per finished step (the dataset indices it trained on) to
 ``<out>/samples-g<restart>-r<rank>.jsonl``, flushed at once so a SIGKILL loses nothing that
-was written. Rank 0 checkpoints every ``--checkpoint-every`` steps. On the first run
-(restart count 0) every rank pauses after step ``--pause-after`` and touches
-``paused-r<rank>`` until the test, having SIGKILLed one node, creates ``resume``; the
-survivors' next collective then fails, torchrun restarts them in a smaller world, and they
-resume from the newest checkpoint. ``--crash-after S`` instead makes rank 1 exit after step S
-of the first run (torchrun restarts the group at the same size). At the end rank 0 saves the
-parameters to ``<out>/final.pt``.
+was written. The job checkpoints every ``--checkpoint-every`` steps (``save_training``: rank 0
+writes, every rank takes part). On the first run (restart count 0) every rank pauses after
+step ``--pause-after`` and touches ``paused-r<rank>`` until the test, having SIGKILLed one
+node, creates ``resume``; the survivors' next collective then fails, torchrun restarts them
+in a smaller world, and they resume from the newest checkpoint (``resume_training``).
+``--crash-after S`` instead makes rank 1 exit after step S of the first run (torchrun
+restarts the group at the same size). At the end rank 0 saves the parameters to
+``<out>/final.pt``.
 """
 
 import argparse
@@ -18,13 +19,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from cannikin.log import setup_logging
-from cannikin.runtime.checkpoint import CheckpointManager, load_checkpoint, save_checkpoint
+from cannikin.runtime.checkpoint import (
+    CheckpointManager,
+    resume_training,
+    save_checkpoint,
+    save_training,
+)
 from cannikin.runtime.distributed import destroy_distributed, init_distributed
 from cannikin.runtime.loader import HeteroDataLoader
 from cannikin.runtime.parallel import HeteroDataParallel
@@ -35,16 +40,6 @@ def dataset(num_samples: int) -> TensorDataset:
     x = torch.randn(num_samples, 8, generator=gen)
     y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
     return TensorDataset(x, y, torch.arange(num_samples))
-
-
-def resume(manager: CheckpointManager, ctx_rank: int) -> dict | None:
-    """Rank 0 picks the newest readable checkpoint; every rank loads that same one."""
-    choice = [None]
-    if ctx_rank == 0:
-        latest = manager.load_latest()
-        choice = [None if latest is None else latest[0]]
-    dist.broadcast_object_list(choice, src=0)
-    return None if choice[0] is None else load_checkpoint(manager.path_for(choice[0]))
 
 
 def main() -> None:
@@ -67,12 +62,7 @@ def main() -> None:
     loader = HeteroDataLoader(dataset(args.samples), batch_size=args.batch, seed=0)
     model = HeteroDataParallel(net, optimizer, loader, split=args.split, replan_every=3)
     manager = CheckpointManager(args.out / "checkpoints", keep=2)
-    state = resume(manager, ctx.rank)
-    if state is not None:
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])
-        model.load_runtime_state_dict(state["runtime"])
+    resume_training(manager, model)  # rank 0 picks the newest readable one; all load it
     log_path = args.out / f"samples-g{ctx.restart_count}-r{ctx.rank}.jsonl"
     with open(log_path, "a", buffering=1) as log:
         def record(**fields: object) -> None:
@@ -91,10 +81,8 @@ def main() -> None:
                 optimizer.step()
                 record(event="step", step=step, epoch=epoch, indices=index.tolist(),
                        loss=loss.item())
-                if ctx.rank == 0 and model.step % args.checkpoint_every == 0:
-                    manager.save(model.step, {
-                        "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                        "loader": loader.state_dict(), "runtime": model.runtime_state_dict()})
+                if model.step % args.checkpoint_every == 0:
+                    save_training(manager, model)  # every rank; rank 0 writes
                 if ctx.restart_count == 0 and step == args.crash_after and ctx.rank == 1:
                     os._exit(1)
                 if ctx.restart_count == 0 and step == args.pause_after:
