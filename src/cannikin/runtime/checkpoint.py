@@ -306,7 +306,7 @@ def resume_training(manager: CheckpointManager, model: Trainable,
         model.load_training_state_dict(state["training"])
         if int(state["world_size"]) == world:
             _load_rank_state(model, state["ranks"][rank])
-    except (CheckpointError, ValueError, KeyError, RuntimeError) as exc:
+    except (CheckpointError, ValueError, TypeError, KeyError, RuntimeError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     _all_ranks_ok(error, f"resuming from {path}")
     assert state is not None
