@@ -7,14 +7,10 @@ writes, every rank takes part). On the first run (restart count 0) every rank pa
 step ``--pause-after`` and touches ``paused-r<rank>`` until the test, having SIGKILLed one
 node, creates ``resume``; the survivors' next collective then fails, torchrun restarts them
 in a smaller world, and they resume from the newest checkpoint (``resume_training``).
-``--crash-after S`` instead makes rank 1 exit after step S of the first run (torchrun
-restarts the group at the same size). At the end rank 0 saves the parameters to
-``<out>/final.pt``.
 """
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -27,7 +23,6 @@ from cannikin.log import setup_logging
 from cannikin.runtime.checkpoint import (
     CheckpointManager,
     resume_training,
-    save_checkpoint,
     save_training,
 )
 from cannikin.runtime.distributed import destroy_distributed, init_distributed
@@ -50,8 +45,6 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=4)
     parser.add_argument("--pause-after", type=int, default=-1)
-    parser.add_argument("--crash-after", type=int, default=-1)
-    parser.add_argument("--split", default="optimal")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=15)
@@ -60,7 +53,7 @@ def main() -> None:
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
     loader = HeteroDataLoader(dataset(args.samples), batch_size=args.batch, seed=0)
-    model = HeteroDataParallel(net, optimizer, loader, split=args.split, replan_every=3)
+    model = HeteroDataParallel(net, optimizer, loader, replan_every=3)
     manager = CheckpointManager(args.out / "checkpoints", keep=2)
     resume_training(manager, model)  # rank 0 picks the newest readable one; all load it
     log_path = args.out / f"samples-g{ctx.restart_count}-r{ctx.rank}.jsonl"
@@ -83,16 +76,12 @@ def main() -> None:
                        loss=loss.item())
                 if model.step % args.checkpoint_every == 0:
                     save_training(manager, model)  # every rank; rank 0 writes
-                if ctx.restart_count == 0 and step == args.crash_after and ctx.rank == 1:
-                    os._exit(1)
                 if ctx.restart_count == 0 and step == args.pause_after:
                     (args.out / f"paused-r{ctx.rank}").touch()
                     deadline = time.monotonic() + 60
                     while not (args.out / "resume").exists() and time.monotonic() < deadline:
                         time.sleep(0.05)
         record(event="done", step=model.step)
-    if ctx.rank == 0:
-        save_checkpoint(args.out / "final.pt", {"model": model.module.state_dict()})
     destroy_distributed()
 
 
