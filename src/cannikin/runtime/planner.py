@@ -387,7 +387,7 @@ class Planner:
                                            current=total)
                 total = choice.total_batch
                 plan = choice.plan
-            else:
+            elif cfg.split == "optimal":
                 plan = optimal_split(cluster, total)
             if cfg.split == "even":
                 even = self._even(total)
