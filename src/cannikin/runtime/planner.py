@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -122,6 +123,21 @@ def merge_buckets(ready: Sequence[float], allreduce: Sequence[float],
     edges = np.linspace(0, n, max_buckets + 1).round().astype(int)
     return ([float(ready[b - 1]) for b in edges[1:]],
             [float(sum(allreduce[a:b])) for a, b in zip(edges[:-1], edges[1:], strict=True)])
+
+
+def _median(values: Sequence[float]) -> float:
+    """np.median of a few floats (NaN if any is NaN) without numpy's per-call overhead:
+    the planner takes several medians of one value per rank every step."""
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return float(statistics.median(values))
+
+
+def _minimum(values: Sequence[float]) -> float:
+    """np.min of a few floats (NaN if any is NaN), for the per-step path."""
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return float(min(values))
 
 
 def capped_even_split(total: int, caps: Sequence[int | None]) -> tuple[int, ...]:
@@ -255,6 +271,8 @@ class Planner:
     _window_ends: bool = field(default=False, init=False)
     _drift_ratios: list[list[float]] = field(default_factory=list, init=False)
     _drifted: int | None = field(default=None, init=False)  # a worker off its model
+    _prediction: tuple[ClusterModel, tuple[int, ...], float] | None = field(
+        default=None, init=False)  # the last predicted() of the model in force, reused
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -294,9 +312,16 @@ class Planner:
 
     def predicted(self, local_batches: Sequence[int]) -> float | None:
         """Step time the model in force predicts for ``local_batches`` (None without one)."""
-        if self.cluster_model is None:
+        cluster = self.cluster_model
+        if cluster is None:
             return None
-        return float(self.cluster_model.step_time(list(local_batches)))
+        split = tuple(local_batches)
+        last = self._prediction
+        if last is not None and last[0] is cluster and last[1] == split:
+            return last[2]  # asked twice a step for the same split: evaluate once
+        predicted = float(cluster.step_time(list(split)))
+        self._prediction = (cluster, split, predicted)
+        return predicted
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
@@ -326,7 +351,7 @@ class Planner:
         self._pending = self.predicted([r.batch for r in reports])
 
     def _observe_timing(self, timings: Sequence[StepReport]) -> None:
-        measured = float(np.median([t.step_s for t in timings]))
+        measured = _median([t.step_s for t in timings])
         for fitter, t in zip(self.fitters, timings, strict=True):
             if t.batch > 0:
                 fitter.add(t.batch, t.fwd_s, t.bwd_s)
@@ -352,20 +377,25 @@ class Planner:
             recent.append(math.log(ratio))
             del recent[:-DRIFT_CHECK_STEPS]
             if (len(recent) == DRIFT_CHECK_STEPS and self._drifted is None
-                    and abs(float(np.median(recent))) > math.log1p(DRIFT_CHECK_CHANGE)):
+                    and abs(_median(recent)) > math.log1p(DRIFT_CHECK_CHANGE)):
                 self._drifted = rank
 
     def _add_comm(self, active: Sequence[StepReport]) -> None:
         counts = {len(r.allreduce_s) for r in active}
         if len(counts) != 1 or counts == {0}:
             return  # buckets differ between ranks this step (DDP rebuild): skip it
-        ready = np.median([r.ready_fractions for r in active], axis=0)
+        ready = [_median(bucket)
+                 for bucket in zip(*(r.ready_fractions for r in active), strict=True)]
         # the last rank to have a bucket ready waits for nobody: min over ranks is the
         # all-reduce itself
-        comm = np.min([r.allreduce_s for r in active], axis=0)
-        ready = np.clip(np.maximum.accumulate(ready), 0.0, 1.0)
-        ready[-1] = 1.0
-        self.comm_fitter.add(ready.tolist(), comm.tolist())
+        comm = [_minimum(bucket) for bucket in zip(*(r.allreduce_s for r in active), strict=True)]
+        rising = []
+        highest = -math.inf
+        for r in ready:  # running maximum (NaN propagates, as in np.maximum.accumulate)
+            highest = r if math.isnan(r) or math.isnan(highest) else max(highest, r)
+            rising.append(highest if math.isnan(highest) else min(max(highest, 0.0), 1.0))
+        rising[-1] = 1.0
+        self.comm_fitter.add(rising, comm)
 
     # -- deciding --------------------------------------------------------------------------------
     def replan(self, step: int, reason: str = "cadence") -> PlanRecord:
