@@ -248,7 +248,7 @@ class HeteroDataParallel(nn.Module):
             if tensor is not None:
                 tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
         if self._stepping and self.comm.rows is None:
-            self.comm.rows = self._exchange_rows()  # rides with the first gradient bucket
+            self.comm.rows = self._exchange_rows()  # sent after the first gradient bucket
         return out
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
@@ -310,8 +310,8 @@ class HeteroDataParallel(nn.Module):
         return torch.from_numpy(rows).to(self.device)
 
     def _exchange(self) -> list[WorkerReport]:
-        rows = self.comm.rows_reduced
-        if rows is None:  # not sent with a bucket (half-precision buckets): on its own
+        rows = self.comm.rows_reduced()
+        if rows is None:  # no gradient bucket this step: on its own
             rows = self._exchange_rows()
             dist.all_reduce(rows)
         return [WorkerReport.from_vector(row) for row in rows.tolist()]
