@@ -197,7 +197,7 @@ def _ideal_throughput() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description="HeteroDataParallel overhead and throughput")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--blocks", type=int, default=24)
+    parser.add_argument("--blocks", type=int, default=40)
     parser.add_argument("--block-steps", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
