@@ -9,7 +9,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PURE = ["cannikin", "cannikin.perf", "cannikin.optperf", "cannikin.goodput", "cannikin.gns",
-        "cannikin.scaling", "cannikin.sim", "cannikin.cli.simulate", "cannikin.cli.plan"]
+        "cannikin.scaling", "cannikin.sim", "cannikin.cli.simulate", "cannikin.cli.plan",
+        "cannikin.runtime.launch_args", "cannikin.cli.launch"]
 
 BLOCK_TORCH = """
 import sys
