@@ -190,19 +190,21 @@ def torchrun_command(script: str | Path, *, nproc_per_node: int, nnodes: str = "
 
 
 def start_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[str] = (),
-                   max_restarts: int = 0, env: Mapping[str, str] | None = None) -> ElasticJob:
+                   max_restarts: int = 0, env: Mapping[str, str] | None = None,
+                   launcher: Sequence[str] = TORCHRUN) -> ElasticJob:
     """Start ``script`` on ``nproc`` local workers under one standalone agent; not waiting."""
     cmd = torchrun_command(script, nproc_per_node=nproc, max_restarts=max_restarts,
-                           script_args=script_args)
+                           script_args=script_args, launcher=launcher)
     return ElasticJob([_start(cmd, worker_env(env))])
 
 
 def run_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[str] = (),
                  timeout_s: float = 120.0, max_restarts: int = 0,
-                 env: Mapping[str, str] | None = None) -> JobResult:
+                 env: Mapping[str, str] | None = None,
+                 launcher: Sequence[str] = TORCHRUN) -> JobResult:
     """Run ``script`` on ``nproc`` local workers under one standalone agent, hard timeout."""
     job = start_torchrun(script, nproc=nproc, script_args=script_args,
-                         max_restarts=max_restarts, env=env)
+                         max_restarts=max_restarts, env=env, launcher=launcher)
     return job.wait(timeout_s)[0]
 
 

@@ -52,6 +52,7 @@ def launch(argv: Sequence[str]) -> int:
 
     try:
         torchrun_main(list(launch_args.argv))
-    except ChildFailedError:
-        return 1  # torchrun has already logged which worker failed and why
+    except ChildFailedError as error:
+        logger.error("%s", error)  # torchrun's summary: which workers failed, how, where
+        return 1
     return 0
