@@ -3,11 +3,11 @@ Cannikin, on the same samples, and writes what the parent needs to report.
 
 Run as ``python -m cannikin.demo.worker --config CONFIG.json --out DIR`` under torchrun. Files
 written into DIR (see :mod:`cannikin.demo.files`): rank 0 appends per-step metrics to the
-metrics JSONL (including its own local loss, the mean over its b_0 samples of the step:
-it is not the training loss, and its noise depends on the split) and writes one result JSON
-per phase, with the full training loss evaluated once at the end; every rank writes the sample indices it
-trained on, per epoch (so the parent can check that each epoch saw every sample once), with
-its slowdown factor and thread count.
+metrics JSONL (including its own local loss, the mean over its b_0 samples of the step: not
+the training loss, and its noise depends on the split) and writes one result JSON per phase,
+with the full training loss evaluated once at the end; every rank writes the sample indices
+it trained on, per epoch (so the parent can check that each epoch saw every sample once),
+with its slowdown factor and thread count.
 """
 
 from __future__ import annotations
