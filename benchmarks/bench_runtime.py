@@ -30,6 +30,7 @@ SLOWDOWNS = (4.0, 2.0, 1.0)
 PROFILE = (0.004, 0.0004)  # emulated reference forward: fixed_s, per_sample_s
 BACKWARD_SCALE = 2.0  # emulate's default: backward = 2x forward
 TOTAL = 96
+LOCAL = 128  # overhead part: local batch per worker (a ~50 ms step here)
 
 
 def _worker(out: Path, blocks: int, block_steps: int, steps: int) -> None:
@@ -57,7 +58,7 @@ def _worker(out: Path, blocks: int, block_steps: int, steps: int) -> None:
 
     # -- 1. overhead ------------------------------------------------------------------------
     spent = _instrument()
-    batch = 3 * 64
+    batch = 3 * LOCAL
     ddp_net = net()
     ddp = DistributedDataParallel(ddp_net)
     ddp_opt = torch.optim.SGD(ddp_net.parameters(), lr=0.01)
@@ -66,11 +67,11 @@ def _worker(out: Path, blocks: int, block_steps: int, steps: int) -> None:
     loader = HeteroDataLoader(data, batch_size=batch, seed=0)
     hdp = HeteroDataParallel(hdp_net, hdp_opt, loader, split="even", slowdown=None)
     _time_instance(hdp.ddp, "forward", "ddp forward", spent)  # the DDP inside the wrapper
-    hdp_batches = iter(loader)
+    hdp_batches = (batch for _ in range(1000) for batch in loader)  # epoch after epoch
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
 
     def ddp_step(i: int) -> None:
-        idx = perm[(i * batch + rank * 64) % (n - 64):][:64]
+        idx = perm[(i * batch + rank * LOCAL) % (n - LOCAL):][:LOCAL]
         x, y = data.tensors[0][idx], data.tensors[1][idx]
         ddp_opt.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
@@ -211,11 +212,14 @@ def main() -> None:
                "--nproc-per-node=3", __file__, "--worker", str(out), "--blocks",
                str(args.blocks), "--block-steps", str(args.block_steps), "--steps",
                str(args.steps)]
-        subprocess.run(cmd, env=env, check=True, timeout=900, capture_output=True)
+        proc = subprocess.run(cmd, env=env, timeout=900, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"benchmark workers failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
         result = json.loads(out.read_text())
     over = result["overhead"]
     ddp, hdp = statistics.median(over["ddp"]), statistics.median(over["hdp"])
-    print("1. per-step overhead, 3 gloo workers, real MLP 256-1024-512-10, local batch 64")
+    print("1. per-step overhead, 3 gloo workers, real MLP 256-1024-512-10, local batch "
+          f"{LOCAL}")
     print(f"   plain DDP (even split)        {ddp * 1e3:7.1f} ms/step  (median of "
           f"{len(over['ddp'])} blocks)")
     print(f"   HeteroDataParallel (even)     {hdp * 1e3:7.1f} ms/step")

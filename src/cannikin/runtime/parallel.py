@@ -357,6 +357,7 @@ class HeteroDataParallel(nn.Module):
             "total_batch": total, "step_time_s": report.step_s,
             "predicted_step_time_s": predicted, "lr_factor": factor,
             "noise_scale": noise.noise_scale(), "fwd_s": report.fwd_s, "bwd_s": report.bwd_s,
+            "trained": total,
         }
         if self.planner.due(self.step):
             self.planner.replan(self.step)
@@ -370,7 +371,9 @@ class HeteroDataParallel(nn.Module):
             for p in group["params"]:
                 p.grad = None  # optimizers skip parameters without a gradient
         self.loader.rewind()
-        self.last_metrics = {"step": self.step, "skipped": "out of memory"}
+        self.last_metrics = {"step": self.step, "skipped": "out of memory",
+                             "local_batches": [r.batch for r in reports],
+                             "total_batch": sum(r.batch for r in reports), "trained": 0}
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._stepping:

@@ -37,11 +37,11 @@ MAX_BUCKETS = 16
 _PREVIOUS = 6 + 2 * MAX_BUCKETS  # batch, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c..
 REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
 OOM_CAP_FACTOR = 0.8
+"""After an out-of-memory at local batch b, that worker's cap becomes floor(0.8 b)."""
 DRIFT_CHECK_STEPS = 6
 """A worker whose compute time is off its model by more than DRIFT_CHECK_CHANGE in the
 median of this many consecutive steps triggers a re-plan at once (single stragglers do not)."""
 DRIFT_CHECK_CHANGE = 0.3
-"""After an out-of-memory at local batch b, that worker's cap becomes floor(0.8 b)."""
 _STATE_VERSION = 1
 
 
@@ -387,7 +387,7 @@ class Planner:
                                            current=total)
                 total = choice.total_batch
                 plan = choice.plan
-            else:
+            elif cfg.split == "optimal":
                 plan = optimal_split(cluster, total)
             if cfg.split == "even":
                 even = self._even(total)
