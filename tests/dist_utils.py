@@ -13,7 +13,8 @@ Usage from a test::
 * ``run_torchrun`` runs one ``--standalone`` agent (``max_restarts`` > 0 lets it restart
   failed workers); ``start_torchrun`` starts one without waiting, so several jobs can share
   their start-up time (``job.wait(timeout_s)`` collects them).
-* ``start_agents`` runs several agents on one c10d rendezvous (``--nnodes=MIN:MAX``,
+* ``start_agents`` runs several agents (plain torchrun, or ``launcher=CANNIKIN_LAUNCH``) on one
+  c10d rendezvous (``--nnodes=MIN:MAX``,
   ``last_call_timeout=1`` so start-up is not 30 s, 1 s heartbeats so a lost agent is dropped
   from the next round within ~5 s), on a fresh port and rendezvous id, so concurrent tests
   never merge into one world; the first agent hosts the rendezvous store, so kill another one
@@ -153,64 +154,84 @@ def _start(cmd: Sequence[str], env: Mapping[str, str]) -> _Agent:
     return _Agent(proc, out, err, time.monotonic())
 
 
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+"""Plain torchrun."""
+CANNIKIN_LAUNCH = (sys.executable, "-m", "cannikin.launch")
+"""``cannikin launch``: torchrun with Cannikin's defaults."""
+
+
 def torchrun_command(script: str | Path, *, nproc_per_node: int, nnodes: str = "1",
                      max_restarts: int = 0, rdzv_endpoint: str | None = None,
                      rdzv_id: str | None = None, is_host: bool | None = None,
-                     last_call_s: float = 1.0, script_args: Sequence[str] = ()) -> list[str]:
-    """The ``python -m torch.distributed.run`` command line; no endpoint means ``--standalone``.
+                     last_call_s: float | None = 1.0, script_args: Sequence[str] = (),
+                     launcher: Sequence[str] = TORCHRUN) -> list[str]:
+    """The ``launcher`` command line; no endpoint means ``--standalone``.
 
-    ``last_call_s``: how long a rendezvous that has its minimum of nodes waits for more.
+    ``last_call_s``: how long a rendezvous that has its minimum of nodes waits for more; None
+    passes no ``--rdzv-conf`` at all (``is_host`` is then not passed either), leaving the
+    rendezvous settings to the launcher.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
-           f"--nnodes={nnodes}", f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
+    cmd = [*launcher, f"--nproc-per-node={nproc_per_node}", f"--nnodes={nnodes}",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.1"]
     if rdzv_endpoint is None:
         cmd.append("--standalone")
     else:
-        # last call short instead of 30 s; a dead agent is noticed after 5 s of silent heartbeats
-        conf = f"last_call_timeout={last_call_s:g},keep_alive_interval=1,keep_alive_max_attempt=5"
-        if is_host is not None:
-            conf += f",is_host={int(is_host)}"
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
-                f"--rdzv-id={rdzv_id or uuid.uuid4().hex}", f"--rdzv-conf={conf}"]
+                f"--rdzv-id={rdzv_id or uuid.uuid4().hex}"]
+        if last_call_s is not None:
+            # last call short instead of 30 s; a dead agent is noticed after 5 s of silent
+            # heartbeats
+            conf = (f"last_call_timeout={last_call_s:g},keep_alive_interval=1,"
+                    "keep_alive_max_attempt=5")
+            if is_host is not None:
+                conf += f",is_host={int(is_host)}"
+            cmd.append(f"--rdzv-conf={conf}")
     return [*cmd, str(script), *script_args]
 
 
 def start_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[str] = (),
-                   max_restarts: int = 0, env: Mapping[str, str] | None = None) -> ElasticJob:
+                   max_restarts: int = 0, env: Mapping[str, str] | None = None,
+                   launcher: Sequence[str] = TORCHRUN) -> ElasticJob:
     """Start ``script`` on ``nproc`` local workers under one standalone agent; not waiting."""
     cmd = torchrun_command(script, nproc_per_node=nproc, max_restarts=max_restarts,
-                           script_args=script_args)
+                           script_args=script_args, launcher=launcher)
     return ElasticJob([_start(cmd, worker_env(env))])
 
 
 def run_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[str] = (),
                  timeout_s: float = 120.0, max_restarts: int = 0,
-                 env: Mapping[str, str] | None = None) -> JobResult:
+                 env: Mapping[str, str] | None = None,
+                 launcher: Sequence[str] = TORCHRUN) -> JobResult:
     """Run ``script`` on ``nproc`` local workers under one standalone agent, hard timeout."""
     job = start_torchrun(script, nproc=nproc, script_args=script_args,
-                         max_restarts=max_restarts, env=env)
+                         max_restarts=max_restarts, env=env, launcher=launcher)
     return job.wait(timeout_s)[0]
 
 
 def start_agents(script: str | Path, *, nnodes: int, min_nodes: int | None = None,
                  nproc_per_node: int = 1, max_restarts: int = 0,
-                 script_args: Sequence[str] = (), last_call_s: float = 1.0,
-                 env: Mapping[str, str] | None = None) -> ElasticJob:
+                 script_args: Sequence[str] = (), last_call_s: float | None = 1.0,
+                 env: Mapping[str, str] | None = None,
+                 launcher: Sequence[str] = TORCHRUN, agents: int | None = None) -> ElasticJob:
     """Start ``nnodes`` agents on one fresh c10d rendezvous (``--nnodes=min_nodes:nnodes``).
 
     Agent 0 hosts the rendezvous store; the others are clients of it. With ``min_nodes`` below
     ``nnodes`` the first round completes ``last_call_s`` after the minimum has joined, so a test
     that needs every agent in the first world must allow for the slowest agent's start-up.
+    ``agents``: how many to start (default ``nnodes``; fewer leaves the rendezvous short of its
+    maximum, as when nodes are missing). ``launcher`` is the command each agent runs (e.g.
+    ``CANNIKIN_LAUNCH``); with ``last_call_s=None`` it gets no ``--rdzv-conf``.
     """
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv_id = uuid.uuid4().hex
     span = f"{min_nodes if min_nodes is not None else nnodes}:{nnodes}"
     job = ElasticJob()
-    for index in range(nnodes):
+    for index in range(nnodes if agents is None else agents):
         cmd = torchrun_command(script, nproc_per_node=nproc_per_node, nnodes=span,
                                max_restarts=max_restarts, rdzv_endpoint=endpoint,
                                rdzv_id=rdzv_id, is_host=(index == 0),
-                               last_call_s=last_call_s, script_args=script_args)
+                               last_call_s=last_call_s, script_args=script_args,
+                               launcher=launcher)
         job.agents.append(_start(cmd, worker_env(env)))
         if index == 0:
             time.sleep(0.5)  # let the host agent bind the rendezvous store first

@@ -55,7 +55,8 @@ def fake_phase(phase: str, step_s: float, batches: list[int], steps: int) -> tup
         records.append({"phase": phase, "kind": "plan", "step": s, "local_batches": batches,
                         "total_batch": total, "step_time_s": step_s,
                         "predicted_step_time_s": predicted})
-        records.append({"phase": phase, "kind": "train", "step": s, "loss": 1 / s,
+        records.append({"phase": phase, "kind": "train", "step": s, "rank0_loss": 1 / s,
+                        "rank0_batch": batches[0],
                         "samples": s * total, "wall_s": s * step_s})
     result = {"phase": phase, "steps": steps, "samples": steps * total,
               "wall_s": steps * step_s, "train_size": 30, "test_size": 8,

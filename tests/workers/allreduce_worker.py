@@ -41,8 +41,10 @@ def main() -> None:
     if args.mode == "crash-once" and ctx.restart_count == 0 and ctx.rank == 1:
         os._exit(3)
     dist.barrier()
+    # "agent": torchrun's shared rendezvous store; "own": a fresh one per worker generation
+    store = "agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "own"
     print(f"rank {ctx.rank} world {ctx.world_size} restart {ctx.restart_count} "
-          f"sum {value.item():g} backend {ctx.backend}", flush=True)
+          f"sum {value.item():g} backend {ctx.backend} store {store}", flush=True)
     destroy_distributed()
 
 

@@ -1,4 +1,4 @@
-"""The ``cannikin`` command: ``demo`` (the main job), ``simulate`` and ``plan``.
+"""The ``cannikin`` command: ``demo`` (the main job), ``simulate``, ``plan`` and ``launch``.
 
 Each subcommand lives in its own module exposing ``register(subparsers)``, which adds
 its parser and sets ``func`` to a callable taking the parsed namespace and returning an
@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-_SUBCOMMANDS = ("demo", "simulate", "plan")
+_SUBCOMMANDS = ("demo", "simulate", "plan", "launch")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,5 +1,8 @@
 """The live terminal display: one progress bar per phase, fed by the metrics the workers
-append (step rate, throughput, current split, loss), instead of a scroll of log lines."""
+append (step rate, throughput, current split, rank 0's local loss), instead of a scroll of
+log lines. The loss shown is the mean over rank 0's own samples of the step (its share of
+the split), labelled so: it is noisy, and noisier under Cannikin, where the slow rank 0 gets
+few samples, so it is no measure of the training loss (the report evaluates that at the end)."""
 
 from __future__ import annotations
 
@@ -70,8 +73,10 @@ class DemoProgress:
             elif record.get("kind") == "train":
                 recent = self._recent[phase]
                 recent.append((record["wall_s"], record["samples"]))
-                loss = record.get("loss")  # None on a step where rank 0 had no samples
-                fields: dict[str, Any] = {} if loss is None else {"loss": f"loss {loss:.3f}"}
+                loss = record.get("rank0_loss")  # None on a step where rank 0 had no samples
+                fields: dict[str, Any] = {} if loss is None else {
+                    "loss": f"rank-0 loss {loss:.3f} (b={record['rank0_batch']})"
+                }
                 if len(recent) > 1 and recent[-1][0] > recent[0][0]:
                     dt = recent[-1][0] - recent[0][0]
                     steps_s = (len(recent) - 1) / dt

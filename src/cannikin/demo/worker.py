@@ -3,9 +3,11 @@ Cannikin, on the same samples, and writes what the parent needs to report.
 
 Run as ``python -m cannikin.demo.worker --config CONFIG.json --out DIR`` under torchrun. Files
 written into DIR (see :mod:`cannikin.demo.files`): rank 0 appends per-step metrics to the
-metrics JSONL and writes one result JSON per phase; every rank writes the sample indices it
-trained on, per epoch (so the parent can check that each epoch saw every sample once), with
-its slowdown factor and thread count.
+metrics JSONL (including its own local loss, the mean over its b_0 samples of the step: not
+the training loss, and its noise depends on the split) and writes one result JSON per phase,
+with the full training loss evaluated once at the end; every rank writes the sample indices
+it trained on, per epoch (so the parent can check that each epoch saw every sample once),
+with its slowdown factor and thread count.
 """
 
 from __future__ import annotations
@@ -89,10 +91,10 @@ def _train_phase(
             steps += 1
             seen += total_batch
             indices[-1].extend(index.tolist())
-            if losses is not None:
+            if losses is not None:  # rank 0's own samples only: no extra collective per step
                 losses.log(
-                    {"loss": loss.item(), "samples": seen, "total_batch": total_batch,
-                     "wall_s": time.perf_counter() - start},
+                    {"rank0_loss": loss.item(), "rank0_batch": len(y), "samples": seen,
+                     "total_batch": total_batch, "wall_s": time.perf_counter() - start},
                     steps,
                 )
             if seen >= budget:

@@ -1,0 +1,58 @@
+"""``cannikin launch``: torchrun with Cannikin's defaults, so users never pass them by hand.
+
+``cannikin launch [torchrun options] script.py [script args]`` accepts exactly what
+``torchrun`` accepts and runs torchrun's own entry point in this process, after adding only
+what the user did not set (see :mod:`cannikin.runtime.launch_args`): ``last_call_timeout=1``
+in ``--rdzv-conf`` for a c10d rendezvous (c10d's 30 s default makes every elastic start and
+membership change wait half a minute) and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the
+agent's environment (a fresh rendezvous store per worker generation). ``python -m
+cannikin.launch`` is the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from cannikin.log import setup_logging
+from cannikin.runtime.launch_args import with_cannikin_defaults
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: Any) -> None:
+    # No option of its own and no prefix characters: every argument, "-h" included, goes to
+    # torchrun unparsed (argparse.REMAINDER alone still grabs a leading "--nnodes=...").
+    p = subparsers.add_parser(
+        "launch", help="torchrun with Cannikin's defaults (same options as torchrun)",
+        description=__doc__.splitlines()[0], add_help=False, prefix_chars="\0")
+    p.add_argument("torchrun_args", nargs=argparse.REMAINDER,
+                   help="torchrun options, the training script and its arguments")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return launch(args.torchrun_args)
+
+
+def launch(argv: Sequence[str]) -> int:
+    """Run torchrun on ``argv`` with Cannikin's defaults; 0 on success, 1 if workers failed."""
+    setup_logging(0, False)
+    launch_args = with_cannikin_defaults(argv, os.environ)
+    for name, value in launch_args.env.items():
+        os.environ[name] = value  # the agent reads it; its workers inherit it
+    if launch_args.added:
+        logger.info("cannikin launch adds: %s", "; ".join(launch_args.added))
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(list(launch_args.argv))
+    except ChildFailedError as error:
+        logger.error("%s", error)  # torchrun's summary: which workers failed, how, where
+        return 1
+    return 0

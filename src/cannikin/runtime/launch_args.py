@@ -1,0 +1,185 @@
+"""Cannikin's torchrun defaults as a pure rewrite of a torchrun command line (no torch import).
+
+``cannikin launch`` is torchrun with two defaults that a library inside the worker cannot set,
+because they belong to the *agent* (the torchrun process), not to the workers:
+
+* ``last_call_timeout=1`` in ``--rdzv-conf`` for a c10d rendezvous. c10d waits 30 s by default
+  after the minimum number of nodes has joined before it closes a round, so every elastic
+  start and every membership change would cost half a minute. The user's ``--rdzv-conf`` keys
+  are kept and win; ``--standalone`` (one node, nothing to wait for) is left alone.
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agent's environment unless the user set it.
+  ``init_distributed`` already survives elastic restarts on torchrun's shared store by agreeing
+  on a worker generation (see :mod:`cannikin.runtime.distributed`); a fresh store per
+  generation removes the stale keys at the source too, so user code that builds its own
+  process group (not through ``init_distributed``) is safe as well: belt and braces.
+
+Only the options before the training script are read; the script and its arguments are
+returned untouched. torchrun's ``PET_*`` environment defaults are honoured like torchrun does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+LAST_CALL_TIMEOUT_S = 1
+"""Seconds a c10d round waits for more nodes once it has its minimum (c10d's default: 30)."""
+
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+VALUE_OPTIONS: dict[str, str] = {
+    spelling: dest
+    for dest, spellings in {
+        "nnodes": ("--nnodes",),
+        "nproc_per_node": ("--nproc-per-node", "--nproc_per_node"),
+        "rdzv_backend": ("--rdzv-backend", "--rdzv_backend"),
+        "rdzv_endpoint": ("--rdzv-endpoint", "--rdzv_endpoint"),
+        "rdzv_id": ("--rdzv-id", "--rdzv_id"),
+        "rdzv_conf": ("--rdzv-conf", "--rdzv_conf"),
+        "max_restarts": ("--max-restarts", "--max_restarts"),
+        "monitor_interval": ("--monitor-interval", "--monitor_interval"),
+        "start_method": ("--start-method", "--start_method"),
+        "event_log_handler": ("--event-log-handler", "--event_log_handler"),
+        "role": ("--role",),
+        "log_dir": ("--log-dir", "--log_dir"),
+        "redirects": ("-r", "--redirects"),
+        "tee": ("-t", "--tee"),
+        "local_ranks_filter": ("--local-ranks-filter", "--local_ranks_filter"),
+        "duplicate_stdout_filters": ("--duplicate-stdout-filters", "--duplicate_stdout_filters"),
+        "duplicate_stderr_filters": ("--duplicate-stderr-filters", "--duplicate_stderr_filters"),
+        "node_rank": ("--node-rank", "--node_rank"),
+        "master_addr": ("--master-addr", "--master_addr"),
+        "master_port": ("--master-port", "--master_port"),
+        "local_addr": ("--local-addr", "--local_addr"),
+        "logs_specs": ("--logs-specs", "--logs_specs"),
+        "numa_binding": ("--numa-binding", "--numa_binding"),
+        "signals_to_handle": ("--signals-to-handle", "--signals_to_handle"),
+        "shutdown_timeout": ("--shutdown-timeout", "--shutdown_timeout"),
+    }.items()
+    for spelling in spellings
+}
+"""torchrun (torch 2.13) options that take a value, spelling -> argparse dest.
+tests/test_launch_args.py checks this table against torch's own parser."""
+
+FLAG_OPTIONS: dict[str, str] = {
+    spelling: dest
+    for dest, spellings in {
+        "help": ("-h", "--help"),
+        "standalone": ("--standalone",),
+        "module": ("-m", "--module"),
+        "no_python": ("--no-python", "--no_python"),
+        "run_path": ("--run-path", "--run_path"),
+        "virtual_local_rank": ("--virtual-local-rank", "--virtual_local_rank"),
+    }.items()
+    for spelling in spellings
+}
+"""torchrun options that take no value, spelling -> argparse dest."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchArgs:
+    """A torchrun command line with Cannikin's defaults, and what to add to the agent's env."""
+
+    argv: tuple[str, ...]
+    """Arguments for ``torch.distributed.run.main`` (no program name)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables to set in the agent's environment (only ones the user had not set)."""
+    added: tuple[str, ...] = ()
+    """What was added, in words, for a log line."""
+
+
+@dataclass
+class _Option:
+    dest: str
+    index: int
+    """Where the option token is in argv."""
+    value: str | None
+    inline: bool
+    """True for ``--flag=value`` (value in the same token), False for ``--flag value``."""
+
+
+def _resolve(name: str) -> str | None:
+    """The canonical spelling of a long option, allowing unique prefixes as argparse does."""
+    if name in VALUE_OPTIONS or name in FLAG_OPTIONS:
+        return name
+    if not name.startswith("--"):
+        return None
+    matches = {s for s in (*VALUE_OPTIONS, *FLAG_OPTIONS) if s.startswith(name)}
+    dests = {VALUE_OPTIONS.get(s) or FLAG_OPTIONS[s] for s in matches}
+    return min(matches) if len(dests) == 1 else None
+
+
+def _scan(argv: Sequence[str]) -> tuple[list[_Option], int]:
+    """torchrun's options in ``argv`` and the index where they end (the script or ``--``)."""
+    options: list[_Option] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or not token.startswith("-") or token == "-":
+            return options, i
+        name, has_value, value = token.partition("=")
+        spelling = _resolve(name)
+        if spelling is None and not token.startswith("--") and token[:2] in VALUE_OPTIONS:
+            options.append(_Option(VALUE_OPTIONS[token[:2]], i, token[2:], True))  # -r3
+            i += 1
+            continue
+        if spelling in VALUE_OPTIONS:
+            dest = VALUE_OPTIONS[spelling]
+            if has_value:
+                options.append(_Option(dest, i, value, True))
+                i += 1
+            else:
+                options.append(_Option(dest, i, argv[i + 1] if i + 1 < len(argv) else None,
+                                       False))
+                i += 2
+            continue
+        if spelling in FLAG_OPTIONS:
+            options.append(_Option(FLAG_OPTIONS[spelling], i, None, False))
+        i += 1  # an unknown option: torchrun reports it
+    return options, len(argv)
+
+
+def _last(options: Sequence[_Option], dest: str) -> _Option | None:
+    found = [o for o in options if o.dest == dest]
+    return found[-1] if found else None
+
+
+def conf_keys(conf: str) -> set[str]:
+    """The keys of a ``--rdzv-conf`` string ``k1=v1,k2=v2`` (as torchrun splits it)."""
+    return {part.split("=", 1)[0].strip() for part in conf.split(",") if part.strip()}
+
+
+def with_cannikin_defaults(argv: Sequence[str], env: Mapping[str, str]) -> LaunchArgs:
+    """``argv`` (torchrun's arguments) with Cannikin's defaults where the user set none.
+
+    ``env`` is the launcher's environment: it tells which ``PET_*`` defaults torchrun will
+    read and whether the user already set the store variable. Nothing is removed or reordered;
+    at most one ``--rdzv-conf`` value is changed or one ``--rdzv-conf=...`` is inserted just
+    before the training script.
+    """
+    argv = list(argv)
+    options, end = _scan(argv)
+    standalone_opt = _last(options, "standalone")
+    standalone = standalone_opt is not None or env.get("PET_STANDALONE", "0") not in ("", "0")
+    backend_opt = _last(options, "rdzv_backend")
+    backend = backend_opt.value if backend_opt is not None else env.get("PET_RDZV_BACKEND")
+    added: list[str] = []
+    if backend == "c10d" and not standalone:
+        conf_opt = _last(options, "rdzv_conf")
+        conf = (conf_opt.value if conf_opt is not None else env.get("PET_RDZV_CONF")) or ""
+        missing_value = conf_opt is not None and conf_opt.value is None  # torchrun reports it
+        if "last_call_timeout" not in conf_keys(conf) and not missing_value:
+            extra = f"last_call_timeout={LAST_CALL_TIMEOUT_S}"
+            merged = f"{conf.rstrip().rstrip(',')},{extra}" if conf.strip() else extra
+            if conf_opt is None:
+                argv.insert(end, f"--rdzv-conf={merged}")
+            elif conf_opt.inline:
+                argv[conf_opt.index] = f"{argv[conf_opt.index].partition('=')[0]}={merged}"
+            else:
+                argv[conf_opt.index + 1] = merged
+            added.append(f"--rdzv-conf {extra}")
+    extra_env = {}
+    if SHARE_STORE_ENV not in env:
+        extra_env[SHARE_STORE_ENV] = "1"
+        added.append(f"{SHARE_STORE_ENV}=1")
+    return LaunchArgs(argv=tuple(argv), env=extra_env, added=tuple(added))
