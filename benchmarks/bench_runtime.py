@@ -30,7 +30,7 @@ SLOWDOWNS = (4.0, 2.0, 1.0)
 PROFILE = (0.004, 0.0004)  # emulated reference forward: fixed_s, per_sample_s
 BACKWARD_SCALE = 2.0  # emulate's default: backward = 2x forward
 TOTAL = 96
-LOCAL = 320  # overhead part: local batch per worker (a ~50 ms plain-DDP step here)
+LOCAL = 416  # overhead part: local batch per worker (a ~50 ms plain-DDP step here)
 
 
 def _worker(out: Path, blocks: int, block_steps: int, steps: int) -> None:
