@@ -66,7 +66,7 @@ def _worker(out: Path, blocks: int, block_steps: int, steps: int) -> None:
     hdp_opt = torch.optim.SGD(hdp_net.parameters(), lr=0.01)
     loader = HeteroDataLoader(data, batch_size=batch, seed=0)
     hdp = HeteroDataParallel(hdp_net, hdp_opt, loader, split="even", slowdown=None)
-    _time_instance(hdp.ddp, "forward", "ddp forward", spent)  # the DDP inside the wrapper
+    _time_calls(hdp.ddp, "forward", "ddp forward", spent)  # the DDP inside the wrapper
     hdp_batches = (batch for _ in range(1000) for batch in loader)  # epoch after epoch
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
 
@@ -138,39 +138,11 @@ def _worker(out: Path, blocks: int, block_steps: int, steps: int) -> None:
 _PATCHED: list[tuple[Any, str, Any]] = []
 
 
-def _instrument() -> dict[str, float]:
-    """Time the runtime's own code paths (seconds summed over steps, this rank)."""
-    from cannikin.runtime import loader, parallel
-
-    spent: dict[str, float] = {}
-
-    def timed(owner: Any, attr: str, label: str) -> None:
-        original = getattr(owner, attr)
-
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
-
-        _PATCHED.append((owner, attr, original))
-        setattr(owner, attr, wrapper)
-
-    hdp = parallel.HeteroDataParallel
-    timed(hdp, "_before_optimizer_step", "optimizer pre-hook (measure, exchange, plan)")
-    timed(hdp, "_after_optimizer_step", "optimizer post-hook (LR restore, metrics)")
-    timed(hdp, "begin_step", "begin_step")
-    timed(loader.HeteroDataLoader, "_fetch", "loader fetch")
-    timed(parallel, "weighted_allreduce_hook", "comm hook (scale, |g_i|^2, marks)")
-    timed(hdp, "forward", "hdp forward")
-    return spent
-
-
-def _time_instance(owner: Any, attr: str, label: str, spent: dict[str, float]) -> None:
+def _time_calls(owner: Any, attr: str, label: str, spent: dict[str, float]) -> None:
+    """Replace ``owner.attr`` by a wrapper adding its run time to ``spent[label]``."""
     original = getattr(owner, attr)
 
+    @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
@@ -178,7 +150,24 @@ def _time_instance(owner: Any, attr: str, label: str, spent: dict[str, float]) -
         finally:
             spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
 
+    _PATCHED.append((owner, attr, original))
     setattr(owner, attr, wrapper)
+
+
+def _instrument() -> dict[str, float]:
+    """Time the runtime's own code paths (seconds summed over steps, this rank)."""
+    from cannikin.runtime import loader, parallel
+
+    spent: dict[str, float] = {}
+    hdp = parallel.HeteroDataParallel
+    _time_calls(hdp, "_before_optimizer_step", "optimizer pre-hook (measure, exchange, plan)",
+                spent)
+    _time_calls(hdp, "_after_optimizer_step", "optimizer post-hook (LR restore, metrics)", spent)
+    _time_calls(hdp, "begin_step", "begin_step", spent)
+    _time_calls(loader.HeteroDataLoader, "_fetch", "loader fetch", spent)
+    _time_calls(parallel, "weighted_allreduce_hook", "comm hook (scale, |g_i|^2, marks)", spent)
+    _time_calls(hdp, "forward", "hdp forward", spent)
+    return spent
 
 
 def _uninstrument() -> None:
