@@ -16,7 +16,7 @@ import pytest
 from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
-          "oom_retry", "train_hetero"]
+          "exchange", "oom_retry", "train_hetero"]
 LAUNCH_TIMEOUT_S = 150.0
 
 
@@ -38,6 +38,19 @@ def test_weighted_gradient_equals_single_process(figures: dict[str, Any], check:
     # BatchNorm against per-worker statistics; hdp_gradient through loader + wrapper with
     # a capped worker (10, 27, 27) and the final partial batch
     assert figures[check]["rel_err"] < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_exchange_rows_arrive_summed_with_the_gradient(figures: dict[str, Any],
+                                                       dtype: str) -> None:
+    got = figures["exchange"][dtype]
+    assert got["rows_err"] < 1e-13  # values from 1e-30 to 1e30
+    assert got["rel_err"] < (2e-2 if dtype == "bfloat16" else 1e-5)
+    if dtype == "bfloat16":  # cannot carry float64: a collective of its own
+        assert got["paths"] == ["own collective"] * 3
+    else:  # the first step's one bucket, then the smaller of the rebuilt two
+        assert got["sizes"][1] < got["sizes"][0]
+        assert got["paths"] == ["tail of bucket 0", "tail of bucket 0", "tail of bucket 1"]
 
 
 def test_plain_ddp_average_is_wrong_for_uneven_batches(figures: dict[str, Any]) -> None:

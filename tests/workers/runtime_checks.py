@@ -66,25 +66,43 @@ def _local_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
 
 
 def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
-                unused: bool = False, hooked: bool = True) -> dict[str, float]:
-    """Max |grad - reference| / max |reference| over SPLITS, one optimizer-free step each."""
+                unused: bool = False, hooked: bool = True, dtype: torch.dtype = torch.float32,
+                exchange: torch.Tensor | None = None) -> dict[str, Any]:
+    """Max |grad - reference| / max |reference| over SPLITS, one optimizer-free step each.
+
+    With ``exchange`` (float64, one row per rank) each step also sends this rank's row,
+    scaled by the step number, through the hook, and reports the largest relative error
+    of the sum that comes back and how it travelled.
+    """
     rank = dist.get_rank()
     torch.manual_seed(0)
-    net = make()
+    net = make().to(dtype)
     ref = copy.deepcopy(net)
     ddp = DDP(net, find_unused_parameters=unused)
     state = CommState(clock=CpuClock())
     if hooked:
         ddp.register_comm_hook(state, weighted_allreduce_hook)
-    worst = 0.0
+    worst = rows_err = 0.0
+    paths = []
     for step, split in enumerate(SPLITS):
         total = sum(split)
         x, y = _data(step, total)
+        x = x.to(dtype)
         lo = sum(split[:rank])
         xs, ys = x[lo:lo + split[rank]], y[lo:lo + split[rank]]
         state.begin_step(split[rank] / total)
+        if exchange is not None:
+            state.rows = torch.zeros_like(exchange)
+            state.rows[rank] = exchange[rank] * (step + 1)
         ddp.zero_grad(set_to_none=False)
         _local_loss(ddp, xs, ys).backward()
+        if exchange is not None:
+            expected = exchange * (step + 1)
+            got = state.rows_reduced()
+            assert got is not None, "the exchange rows were not sent"
+            rows_err = max(rows_err, float(((got - expected).abs() / expected.abs()).max()))
+            paths.append("own collective" if state.rows_work is not None else
+                         f"tail of bucket {state.carrier_slot}")
         ref.zero_grad(set_to_none=False)
         if per_chunk_reference:  # BatchNorm statistics of each worker's own chunk
             bounds = [sum(split[:i]) for i in range(len(split) + 1)]
@@ -99,11 +117,33 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
         # (a bias feeding BatchNorm) must not turn rounding noise into a huge ratio
         scale = max(float(q.abs().max()) for _, q in pairs)
         worst = max(worst, max(float((p - q).abs().max()) for p, q in pairs) / scale)
-    return {"rel_err": worst}
+    if exchange is None:
+        return {"rel_err": worst}
+    return {"rel_err": worst, "rows_err": rows_err, "paths": paths, "sizes": state.sizes}
 
 
 def check_grad_mlp() -> dict[str, float]:
     return _grad_check(_mlp, per_chunk_reference=False)
+
+
+def _wide() -> nn.Module:
+    """Two buckets after DDP's rebuild in float32 and float64 (the first, ready first, is
+    the larger), one in bfloat16."""
+    return nn.Sequential(nn.Linear(IN, 600), nn.Tanh(), nn.Linear(600, 600), nn.Tanh(),
+                         nn.Linear(600, OUT))
+
+
+def check_exchange() -> dict[str, Any]:
+    """The per-step exchange rows through the hook, for each bucket dtype: their sum over
+    ranks comes back (riding the smallest bucket, or on their own where the dtype cannot
+    carry float64) and the gradient is still the single-process one."""
+    gen = torch.Generator().manual_seed(7)
+    world = dist.get_world_size()
+    magnitudes = 10.0 ** torch.randint(-30, 31, (world, 41), generator=gen).double()
+    exchange = torch.randn(world, 41, generator=gen, dtype=torch.float64) * magnitudes
+    return {str(dtype).removeprefix("torch."): _grad_check(_wide, per_chunk_reference=False,
+                                                           dtype=dtype, exchange=exchange)
+            for dtype in (torch.float32, torch.float64, torch.bfloat16)}
 
 
 def check_grad_plain_ddp() -> dict[str, float]:

@@ -10,6 +10,13 @@ its buckets after the first step; the per-step weight therefore lives in the sha
 :class:`CommState`, not in any per-bucket closure. The hook also takes the marks the
 profiler needs (bucket ready, all-reduce done) and, before scaling, the local squared
 gradient norm |g_i|^2 for the noise-scale estimate.
+
+The per-step exchange of measurements (a few hundred bytes per rank, zeros outside this
+rank's row, so a sum is an all-gather) rides at the tail of the step's smallest bucket: on
+gloo a collective costs far more than its bytes (every ring round is a wake-up of each
+rank), and the bucket is written once anyway when it is scaled. float64 rows travel as
+(hi, lo) float32 pairs in a float32 bucket, so they arrive to ~1e-14; a bucket of another
+dtype (fp16, bf16) cannot carry them and they go in a small collective of their own.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook signature at run time.
@@ -47,9 +54,20 @@ class CommState:
     local_parts: list[torch.Tensor] = field(default_factory=list)
     global_parts: list[torch.Tensor] = field(default_factory=list)
     rows: torch.Tensor | None = None
-    """Per-step exchange to sum over ranks in place, launched after the first bucket's."""
+    """Per-step exchange (float64) to sum over ranks, sent with bucket ``carrier_slot``."""
+    rows_tail: torch.Tensor | None = None
+    """The summed ``rows``, encoded, at the tail of the reduced carrier bucket."""
     rows_work: dist.Work | None = None
-    """The all-reduce of ``rows`` in flight (None before the first bucket)."""
+    """The all-reduce of ``rows`` on its own, when the carrier's dtype cannot carry it."""
+    sizes: list[int] = field(default_factory=list)
+    """This step's bucket sizes, in the order DDP hands them over (its index order)."""
+    carrier_slot: int = 0
+    """The bucket that carries ``rows``: the smallest of the previous step's (DDP's bucket
+    layout is the same on every rank, so every rank chooses the same one)."""
+    carrier: torch.Tensor | None = None
+    """The carrier bucket and ``rows`` side by side, kept from step to step (a fresh tensor
+    of a bucket's size costs page faults on every step); DDP has copied the reduced head
+    into the gradients before the next backward writes it again."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.weight <= 1.0:
@@ -60,19 +78,25 @@ class CommState:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"weight must be b_i/B in [0, 1], got {weight}")
         self.weight = weight
+        if self.sizes:
+            self.carrier_slot = min(range(len(self.sizes)), key=self.sizes.__getitem__)
+        self.sizes = []
         self.ready = []
         self.done = []
         self.local_parts = []
         self.global_parts = []
         self.rows = None
+        self.rows_tail = None
         self.rows_work = None
 
     def rows_reduced(self) -> torch.Tensor | None:
-        """``rows`` summed over ranks (waits for its all-reduce); None if it was not sent."""
-        if self.rows_work is None:
+        """``rows`` summed over ranks (after the backward); None if it was not sent."""
+        if self.rows_work is not None:
+            self.rows_work.wait()
+            return self.rows
+        if self.rows_tail is None or self.rows is None:
             return None
-        self.rows_work.wait()
-        return self.rows
+        return decode_rows(self.rows_tail).reshape(self.rows.shape)
 
     def local_sqnorm(self) -> float:
         """|g_i|^2 of this step's local gradient (0.0 if no bucket was seen)."""
@@ -84,6 +108,15 @@ class CommState:
             return None
         return float(sum(float(t) for t in self.global_parts))
 
+    def carrier_for(self, bucket: torch.Tensor, extra: int) -> torch.Tensor:
+        """A flat tensor like ``bucket`` with ``extra`` more elements (:attr:`carrier`)."""
+        size = bucket.numel() + extra
+        carrier = self.carrier
+        if (carrier is None or carrier.numel() != size or carrier.dtype != bucket.dtype
+                or carrier.device != bucket.device):
+            carrier = self.carrier = bucket.new_empty(size)
+        return carrier
+
     def _add_local(self, bucket: GradBucket) -> None:
         if self.transform is None:
             flat = bucket.buffer()
@@ -94,31 +127,56 @@ class CommState:
             self.local_parts.append(torch.dot(g, g).double())
 
 
+def encode_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """float64 ``rows`` as a flat tensor of ``dtype`` whose sum over ranks decodes to their
+    sum, or None when ``dtype`` cannot carry them. A sum of zeros and one rank's value is
+    exact in any dtype, so the float32 (hi, lo) split loses only lo's rounding."""
+    flat = rows.reshape(-1)
+    if dtype == torch.float64:
+        return flat
+    if dtype != torch.float32:
+        return None
+    hi = flat.float()
+    return torch.cat([hi, (flat - hi.double()).float()])
+
+
+def decode_rows(encoded: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`encode_rows` (float64, flat)."""
+    if encoded.dtype == torch.float64:
+        return encoded
+    hi, lo = encoded.double().chunk(2)
+    return hi + lo
+
+
 def weighted_allreduce_hook(
     state: CommState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Scale the bucket by b_i / B and all-reduce it with a sum.
 
-    A worker with b_i = 0 contributes zeros (its buffer is zeroed rather than
-    multiplied, so a NaN from an empty local batch cannot leak into the sum).
-    ``state.rows`` (float64, a few hundred bytes) is all-reduced right after the step's
-    first bucket, so it travels while the backward computes; a separate collective
-    rather than appended to the bucket, whose copy in and out cost more CPU than a
-    small all-reduce, and more the larger the bucket.
+    A worker with b_i = 0 contributes zeros. ``state.rows`` travels at the tail of
+    bucket ``state.carrier_slot`` (see the module docstring); that bucket is scaled into
+    :attr:`CommState.carrier` instead of in place, and DDP copies the reduced head into
+    the gradients as it does for any hook's result.
     """
     state.ready.append(state.clock.mark())
     if state.capture_sqnorm and state.weight > 0.0:
         state._add_local(bucket)
     buffer = bucket.buffer()
-    if state.weight == 0.0:
-        buffer.zero_()
-    elif state.weight != 1.0:
-        buffer.mul_(state.weight)
     slot = len(state.done)
     state.done.append(None)
-    future = dist.all_reduce(buffer, group=state.group, async_op=True).get_future()
-    if slot == 0 and state.rows is not None:
-        state.rows_work = dist.all_reduce(state.rows, group=state.group, async_op=True)
+    state.sizes.append(buffer.numel())
+    rows = state.rows if slot == state.carrier_slot else None
+    payload = None if rows is None else encode_rows(rows, buffer.dtype)
+    size = buffer.numel()
+    if payload is None:
+        send = _scaled(buffer, state.weight, out=buffer)
+    else:
+        send = state.carrier_for(buffer, payload.numel())
+        _scaled(buffer, state.weight, out=send[:size])
+        send[size:].copy_(payload)
+    future = dist.all_reduce(send, group=state.group, async_op=True).get_future()
+    if rows is not None and payload is None:
+        state.rows_work = dist.all_reduce(rows, group=state.group, async_op=True)
     global_sqnorm = state.capture_sqnorm and state.transform is None
 
     def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -130,9 +188,25 @@ def weighted_allreduce_hook(
                 f"rank {dist.get_rank(state.group)} of {dist.get_world_size(state.group)}: "
                 f"gradient all-reduce failed (a peer worker may be hung or dead; the wait is "
                 f"bounded by init_distributed's timeout_s): {error}") from error
+        if payload is not None:
+            state.rows_tail = reduced[size:]
+            reduced = reduced[:size]
         if global_sqnorm:
             state.global_parts.append(torch.dot(reduced, reduced).double())
         return reduced
 
     result: torch.futures.Future[torch.Tensor] = future.then(finish)
     return result
+
+
+def _scaled(buffer: torch.Tensor, weight: float, out: torch.Tensor) -> torch.Tensor:
+    """``out = weight * buffer`` (``out`` may be ``buffer`` itself). A weight of 0 gives
+    zeros rather than a product, so a NaN from an empty local batch cannot leak into the
+    sum."""
+    if weight == 0.0:
+        out.zero_()
+    elif weight != 1.0:
+        torch.mul(buffer, weight, out=out)
+    elif out is not buffer:
+        out.copy_(buffer)
+    return out

@@ -10,9 +10,10 @@ optimizer's public step hooks):
 3. ``loss.backward()``: the comm hook (:mod:`cannikin.runtime.comm`) captures |g_i|^2,
    scales each bucket and all-reduces a sum, marking bucket-ready and done times;
 4. ``optimizer.step()``: the pre-hook turns the marks into a
-   :class:`~cannikin.runtime.planner.StepReport`, all-gathers it (the one extra
-   collective per step), feeds the planner and the noise scale, applies the LR factor
-   and re-plans on the cadence; the post-hook restores the LR and logs metrics.
+   :class:`~cannikin.runtime.planner.StepReport`, reads every rank's report of the
+   previous step (they rode with a gradient bucket: no extra collective), feeds the
+   planner and the noise scale, applies the LR factor and re-plans on the cadence; the
+   post-hook restores the LR and logs metrics.
 
 The cycle of a step runs from the end of the previous backward to the end of this one,
 so F_i (``fwd_s``) covers the optimizer step, data loading and the forward, and the
@@ -248,7 +249,7 @@ class HeteroDataParallel(nn.Module):
             if tensor is not None:
                 tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
         if self._stepping and self.comm.rows is None:
-            self.comm.rows = self._exchange_rows()  # sent after the first gradient bucket
+            self.comm.rows = self._exchange_rows()  # sent with a gradient bucket
         return out
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:

@@ -86,8 +86,8 @@ class StepReport:
 class WorkerReport:
     """What one rank contributes to the per-step exchange (one row of it).
 
-    The exchange is launched at the end of the forward pass, so it runs while the
-    backward computes and costs the step almost nothing; the previous step's
+    The exchange is built at the end of the forward pass and travels with a gradient
+    bucket's all-reduce, so it costs the step almost nothing; the previous step's
     measurements (gradient norm, timings) are what it can carry then, so the planner
     and the noise scale see every step one step late.
     """

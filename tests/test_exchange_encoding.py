@@ -1,0 +1,47 @@
+"""The per-step exchange's encoding into a gradient bucket (runtime/comm.py), in one
+process: the sum of every rank's encoded row decodes to the rows, as a float64
+all-reduce would give them."""
+
+import math
+
+import pytest
+import torch
+
+from cannikin.runtime.comm import decode_rows, encode_rows
+
+
+def _rank_rows(world: int, width: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = 10.0 ** torch.randint(-30, 31, (world, width), generator=gen).double()
+    full = torch.randn(world, width, generator=gen, dtype=torch.float64) * magnitudes
+    parts = []
+    for rank in range(world):
+        mine = torch.zeros_like(full)
+        mine[rank] = full[rank]
+        parts.append(mine)
+    return parts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("world", [1, 3, 16])
+def test_summed_encodings_decode_to_the_rows(dtype: torch.dtype, world: int) -> None:
+    parts = _rank_rows(world, 41, seed=world)
+    encoded = [encode_rows(p, dtype) for p in parts]
+    assert all(e is not None and e.dtype == dtype for e in encoded)
+    summed = torch.stack([e for e in encoded if e is not None]).sum(0)
+    expected = torch.stack(parts).sum(0)
+    decoded = decode_rows(summed).reshape(expected.shape)
+    assert float(((decoded - expected).abs() / expected.abs()).max()) < 1e-14
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64])
+def test_dtypes_that_cannot_carry_float64_decline(dtype: torch.dtype) -> None:
+    assert encode_rows(torch.ones(2, 3, dtype=torch.float64), dtype) is None
+
+
+def test_a_value_beyond_float32_decodes_to_nan_not_a_wrong_number() -> None:
+    rows = torch.tensor([[1e300, 2.5]], dtype=torch.float64)
+    encoded = encode_rows(rows, torch.float32)
+    assert encoded is not None
+    decoded = decode_rows(encoded)
+    assert math.isnan(float(decoded[0])) and float(decoded[1]) == 2.5
