@@ -41,8 +41,14 @@ OOM_CAP_FACTOR = 0.8
 """After an out-of-memory at local batch b, that worker's cap becomes floor(0.8 b)."""
 DRIFT_CHECK_STEPS = 6
 """A worker whose compute time is off its model by more than DRIFT_CHECK_CHANGE in the
-median of this many consecutive steps triggers a re-plan at once (single stragglers do not)."""
+median of this many consecutive steps triggers a re-plan at once (single stragglers do not),
+provided the shift is also DRIFT_CHECK_SIGMAS standard errors of that median."""
 DRIFT_CHECK_CHANGE = 0.3
+DRIFT_CHECK_SIGMAS = 3.0
+DRIFT_NOISE_HISTORY = 32
+"""Per worker, this many last log(measured / predicted) values estimate the timing noise.
+On a busy shared CPU the noise reaches ~0.5 in log terms, and a 30% rule alone then
+re-plans every few steps on noise."""
 _STATE_VERSION = 1
 
 
@@ -138,6 +144,17 @@ def _minimum(values: Sequence[float]) -> float:
     if any(math.isnan(v) for v in values):
         return math.nan
     return float(min(values))
+
+
+def _noise_sd(values: Sequence[float]) -> float:
+    """Robust standard deviation of the noise in a series whose level may shift (a re-fit
+    model, a real speed change): from the MAD of successive differences, which a shift
+    touches once. 0.0 until there are 12 values (too few to tell)."""
+    if len(values) < 12:
+        return 0.0
+    diffs = np.diff(np.asarray(values, dtype=np.float64))
+    mad = float(np.median(np.abs(diffs - np.median(diffs))))
+    return 1.4826 * mad / math.sqrt(2.0)
 
 
 def capped_even_split(total: int, caps: Sequence[int | None]) -> tuple[int, ...]:
@@ -270,6 +287,7 @@ class Planner:
     _next_replan: int = field(default=0, init=False)
     _window_ends: bool = field(default=False, init=False)
     _drift_ratios: list[list[float]] = field(default_factory=list, init=False)
+    _drift_history: list[list[float]] = field(default_factory=list, init=False)
     _drifted: int | None = field(default=None, init=False)  # a worker off its model
     _prediction: tuple[ClusterModel, tuple[int, ...], float] | None = field(
         default=None, init=False)  # the last predicted() of the model in force, reused
@@ -368,16 +386,25 @@ class Planner:
             return
         if not self._drift_ratios:
             self._drift_ratios = [[] for _ in timings]
+        if not self._drift_history:
+            self._drift_history = [[] for _ in timings]
         for rank, (node, t) in enumerate(zip(cluster.nodes, timings, strict=True)):
             predicted = node.forward_time(t.batch) + node.backward_time(t.batch)
             ratio = (t.fwd_s + t.bwd_s) / predicted if predicted > 0 else math.nan
             if t.batch <= 0 or not math.isfinite(ratio) or ratio <= 0:
                 continue  # no evidence either way (an empty or an invalid measurement)
-            recent = self._drift_ratios[rank]
+            recent, history = self._drift_ratios[rank], self._drift_history[rank]
             recent.append(math.log(ratio))
+            history.append(recent[-1])
             del recent[:-DRIFT_CHECK_STEPS]
-            if (len(recent) == DRIFT_CHECK_STEPS and self._drifted is None
-                    and abs(_median(recent)) > math.log1p(DRIFT_CHECK_CHANGE)):
+            del history[:-DRIFT_NOISE_HISTORY]
+            if len(recent) < DRIFT_CHECK_STEPS or self._drifted is not None:
+                continue
+            shift = abs(_median(recent))
+            if shift <= math.log1p(DRIFT_CHECK_CHANGE):
+                continue
+            # standard error of a median of n: 1.2533 sigma / sqrt(n)
+            if shift > DRIFT_CHECK_SIGMAS * 1.2533 * _noise_sd(history) / math.sqrt(len(recent)):
                 self._drifted = rank
 
     def _add_comm(self, active: Sequence[StepReport]) -> None:
