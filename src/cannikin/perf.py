@@ -350,10 +350,12 @@ class NodeFitter:
         If the window shows a significant lasting shift in speed, the samples from before
         it are forgotten first (the only state ``fit`` changes).
         """
-        params = self._params()
-        if params is None:
+        if not self._samples:
             return None
         data = np.array(self._samples, dtype=np.float64)
+        params = self._params(data)
+        if params is None:
+            return None
         b, total = data[:, 0], data[:, 1] + data[:, 2]
         f0, f1, k0, k1 = params
         tiny = np.finfo(np.float64).tiny
@@ -364,20 +366,20 @@ class NodeFitter:
                         name, len(self._samples) - start, start)
             for _ in range(start):
                 self._samples.popleft()
-            params = self._params()
+            data = data[start:]
+            params = self._params(data)
             if params is None:
                 return None
             f0, f1, k0, k1 = params
-        if np.unique(np.array([s[0] for s in self._samples])).size >= 2:
+        if np.unique(data[:, 0]).size >= 2:
             self._shape = params
         return NodeModel(fwd=(f0, f1), bwd=(k0, k1), min_batch=min_batch,
                          max_batch=max_batch, name=name)
 
-    def _params(self) -> tuple[float, float, float, float] | None:
-        """``(f0, f1, k0, k1)`` from the window, or None without a non-zero batch."""
-        if not self._samples:
-            return None
-        b, fwd, bwd = np.array(self._samples, dtype=np.float64).T
+    def _params(self, data: FloatArray) -> tuple[float, float, float, float] | None:
+        """``(f0, f1, k0, k1)`` from the window's samples ``data`` (rows: batch, fwd, bwd),
+        or None without a non-zero batch."""
+        b, fwd, bwd = data.T
         if np.unique(b).size >= 2:
             return (*_robust_line(b, fwd), *_robust_line(b, bwd))
         at = float(b[0])

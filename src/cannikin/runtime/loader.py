@@ -10,14 +10,15 @@ the remainder (or dropped with ``drop_last=True``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from cannikin.runtime.sampler import UnevenSampler
+from cannikin.runtime.sampler import IndexArray, UnevenSampler
 
 Batch = Any
 
@@ -151,7 +152,7 @@ class HeteroDataLoader:
             self._before_take = self.sampler.state_dict()
             indices = self.sampler.take(split, self.rank)
             self.controller.begin_step(tuple(split))
-            yield self._fetch(indices.tolist())
+            yield self._fetch(indices)
         self.sampler.new_epoch()
 
     def rewind(self) -> None:
@@ -161,14 +162,15 @@ class HeteroDataLoader:
         self.sampler.load_state_dict(self._before_take)
         self._before_take = None
 
-    def _fetch(self, indices: Sequence[int]) -> Batch:
-        if isinstance(self.dataset, TensorDataset):
-            index = torch.as_tensor(indices, dtype=torch.long)
+    def _fetch(self, indices: IndexArray) -> Batch:
+        if isinstance(self.dataset, TensorDataset):  # one gather per tensor, no Python list
+            index = torch.from_numpy(indices.astype(np.int64, copy=False))
             return tuple(t[index] for t in self.dataset.tensors)
-        if not indices:
+        if indices.size == 0:
             return _empty_like(self.collate_fn([self.dataset[0]]))
+        chosen = indices.tolist()
         getitems = getattr(self.dataset, "__getitems__", None)
-        samples = getitems(list(indices)) if getitems else [self.dataset[i] for i in indices]
+        samples = getitems(chosen) if getitems else [self.dataset[i] for i in chosen]
         return self.collate_fn(samples)
 
     # -- state -------------------------------------------------------------------------------------
