@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import timeit
+from pathlib import Path
 
 import numpy as np
 
-from cannikin import gns
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the references
+
+from cannikin import gns  # noqa: E402
+from references import GNS_MONTE_CARLO_CASES  # noqa: E402
 
 
 def time_per_call(fn, repeat: int = 7, number: int = 2000) -> float:
@@ -79,14 +84,7 @@ def main() -> None:
     bench_cost()
     print(f"Monte Carlo variance ratios ({args.trials} trials; < 1 means min-variance wins):")
     rng = np.random.default_rng(1)
-    for d, batches, phi in [
-        (100, [8, 80], 2000.0),
-        (500, [4, 8, 40], 50.0),
-        (1000, [40, 4, 4, 4, 4, 4], 400.0),
-        (200, [5, 5, 5, 50], 5.0),
-        (300, [2, 4, 8, 16, 20], 100.0),
-        (100, [10, 10, 10, 10], 40.0),
-    ]:
+    for d, batches, phi in GNS_MONTE_CARLO_CASES:  # the cases tests/test_gns.py checks
         monte_carlo_ratios(rng, d, batches, phi, args.trials)
 
 

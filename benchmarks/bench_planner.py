@@ -20,13 +20,14 @@ import timeit
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import linprog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the references
 
 from cannikin.goodput import choose_batch_size  # noqa: E402
 from cannikin.optperf import even_split, optimal_split, proportional_split  # noqa: E402
 from cannikin.perf import ClusterModel, CommModel, NodeModel  # noqa: E402
+from references import lp_bound  # noqa: E402
 
 # Relative per-sample speed and memory (max local batch) of a few GPU kinds, roughly
 # A100 : V100 : T4 : K80 for a ResNet-50-sized model; intercepts are per-step overheads.
@@ -46,22 +47,6 @@ def random_cluster(rng: np.random.Generator, n: int) -> ClusterModel:
     comm = CommModel(buckets=[(float(rng.uniform(0.1, 0.5)), float(rng.uniform(0.005, 0.05))),
                               (1.0, float(rng.uniform(0.001, 0.01)))])
     return ClusterModel(nodes=nodes, comm=comm)
-
-
-def lp_bound(cluster: ClusterModel, total: int) -> float:
-    arr = cluster.arrays
-    n, m = arr.slopes.shape
-    a_ub = np.zeros((n * m, n + 1))
-    for i in range(n):
-        a_ub[i * m:(i + 1) * m, i] = arr.slopes[i]
-    a_ub[:, n] = -1.0
-    bounds = [(float(lo), float(hi)) for lo, hi in zip(arr.lo, arr.hi, strict=True)]
-    res = linprog(np.r_[np.zeros(n), 1.0], A_ub=a_ub, b_ub=-arr.offsets.reshape(-1),
-                  A_eq=np.r_[np.ones(n), 0.0][None, :], b_eq=[total],
-                  bounds=[*bounds, (None, None)], method="highs")
-    if res.status != 0:
-        raise RuntimeError(res.message)
-    return float(res.fun)
 
 
 def per_call_ms(fn: object, number: int, repeat: int = 7) -> tuple[float, float]:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from cannikin import gns
+from references import GNS_MONTE_CARLO_CASES as CONFIGS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,15 +92,6 @@ def assert_unbiased(samples: np.ndarray, truth: float, label: str) -> None:
     assert np.all(np.abs(z) < bound), f"{label}: mean {mean} vs truth {truth}, z = {z}"
 
 
-# (d, batches, noise scale): n = 2..6, b_i uneven by 10x, noise- to signal-dominated.
-CONFIGS = [
-    (100, [8, 80], 2000.0),
-    (500, [4, 8, 40], 50.0),
-    (1000, [40, 4, 4, 4, 4, 4], 400.0),
-    (200, [5, 5, 5, 50], 5.0),
-    (300, [2, 4, 8, 16, 20], 100.0),
-    (100, [10, 10, 10, 10], 40.0),
-]
 TRIALS = 4000
 
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy.optimize import linprog
 
 from cannikin.optperf import (
     Splitter,
@@ -21,6 +20,7 @@ from cannikin.optperf import (
     step_time_curve,
 )
 from cannikin.perf import ClusterModel, CommModel, NodeModel
+from references import lp_bound
 
 
 def random_cluster(rng: np.random.Generator, n: int, m: int, cap: int = 200) -> ClusterModel:
@@ -49,24 +49,6 @@ def brute_force(cluster: ClusterModel, total: int) -> float:
     ranges = [range(n.min_batch, (total if n.max_batch is None else n.max_batch) + 1)
               for n in cluster.nodes]
     return min(cluster.step_time(s) for s in itertools.product(*ranges) if sum(s) == total)
-
-
-def lp_bound(cluster: ClusterModel, total: float) -> float:
-    """min t s.t. t >= d_ij + a_ij b_i, sum b = B, lo <= b <= hi (the LP of §2)."""
-    arr = cluster.arrays
-    n, m = arr.slopes.shape
-    a_ub = np.zeros((n * m, n + 1))
-    for i in range(n):
-        a_ub[i * m:(i + 1) * m, i] = arr.slopes[i]
-    a_ub[:, n] = -1.0
-    b_ub = -arr.offsets.reshape(-1)
-    a_eq = np.concatenate([np.ones(n), [0.0]])[None, :]
-    bnds = [(float(lo), None if math.isinf(hi) else float(hi))
-            for lo, hi in zip(arr.lo, arr.hi, strict=True)] + [(None, None)]
-    res = linprog(np.concatenate([np.zeros(n), [1.0]]), A_ub=a_ub, b_ub=b_ub, A_eq=a_eq,
-                  b_eq=[total], bounds=bnds, method="highs")
-    assert res.status == 0, res.message
-    return float(res.fun)
 
 
 def test_matches_brute_force_on_small_clusters() -> None:
