@@ -77,9 +77,11 @@ def drive(speeds_at: Callable[[int], Sequence[float]], seed: int,
         quality.append(cluster.step_time(list(split)) / optimal_split(cluster, B).step_time)
         planner.observe(step, [WorkerReport(batch=b, previous=p)
                                for b, p in zip(split, previous, strict=True)], previous_global)
-        measured = measure(cluster, split, rng)
+        measured = list(measure(cluster, split, rng))
         previous = list(corrupt(step, measured) if corrupt else measured)
         previous_global = 1.0 + 50.0 / sum(split)
+        if not planner.measures(step):  # the runtime sends nothing of an unmeasured step
+            previous, previous_global = [None] * len(SPEEDS), None
         if inspect is not None:
             inspect(step, planner)
         if planner.due(step):

@@ -3,6 +3,7 @@ noisy step reports (as the runtime gives it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -14,6 +15,8 @@ from cannikin.optperf import optimal_split
 from cannikin.perf import ClusterModel, CommModel, NodeModel
 from cannikin.runtime.planner import (
     MAX_BUCKETS,
+    MEASURE_STRIDE,
+    PLAN_HOLD,
     REPORT_SIZE,
     Planner,
     PlannerConfig,
@@ -65,6 +68,8 @@ def run(planner: Planner, cluster: ClusterModel, steps: int, seed: int = 0,
         planner.observe(step, rows, previous_global)
         previous = list(timings(cluster, split, rng, sqnorm_noise))
         previous_global = 1.0 + sqnorm_noise / sum(split)
+        if not planner.measures(step):  # the runtime sends nothing of an unmeasured step
+            previous, previous_global = [None] * cluster.size, None
         if planner.due(step):
             planner.replan(step)
     return true_times
@@ -95,6 +100,52 @@ def test_even_mode_keeps_the_even_split_and_still_predicts() -> None:
     assert planner.local_batches == (32, 32)
     assert planner.current.predicted_step_s is not None
     assert planner.tracker.median_window_error() < 0.10
+
+
+def test_an_out_of_turn_replan_that_changes_nothing_keeps_the_backed_off_cadence() -> None:
+    cluster = truth((4.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=2, init_batch=64, split="even",
+                                    max_replan_every=40))
+    run(planner, cluster, 120)
+    cadence = [r.step for r in planner.history if r.reason == "cadence"]
+    assert cadence[-1] - cadence[-2] == 40  # backed off: 5, 10, 20, 40
+    planner.replan(120, "worker 0 drifted from its model")  # the split stays even
+    assert [planner.due(120 + k) for k in (1, 39, 40)] == [False, False, True]
+
+
+def test_a_held_plan_measures_every_fourth_step_and_a_new_plan_every_step() -> None:
+    cluster = truth((4.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=2, init_batch=64, split="even",
+                                    max_replan_every=40))
+    assert all(planner.measures(s) for s in range(8))  # warm-up: every step
+    run(planner, cluster, 120)
+    assert [planner.measures(s) for s in range(120, 128)] == [s % MEASURE_STRIDE == 0
+                                                            for s in range(120, 128)]
+    assert planner.noise.num_updates < 120 - 30  # the unmeasured steps sent nothing
+    planner.lower_cap(0, 32)
+    assert planner.replan(120, "out of memory").local_batches != (32, 32)
+    assert all(planner.measures(s) for s in range(121, 129))
+
+
+def test_a_replan_keeps_a_split_as_good_as_the_new_optimum_and_drops_a_worse_one() -> None:
+    planner = Planner(PlannerConfig(world_size=3, init_batch=1200))  # one sample: < 0.3%
+    run(planner, truth((3.0, 1.0, 1.5)), 30)
+    model = planner.cluster_model
+    assert model is not None
+    best = optimal_split(model, 1200)
+    moves = [tuple(b + (i == give) - (i == take) for i, b in enumerate(best.local_batches))
+             for give in range(3) for take in range(3) if give != take]
+    ratio = {m: model.step_time(list(m)) / best.step_time for m in moves}
+    near, far = min(moves, key=ratio.__getitem__), (200, 500, 500)
+    assert ratio[near] <= 1 + PLAN_HOLD < model.step_time(list(far)) / best.step_time
+    for split, kept in ((near, True), (far, False)):
+        planner.current = dataclasses.replace(planner.current, local_batches=split)
+        record = planner.replan(30)
+        assert (record.local_batches == split) is kept, (split, record.local_batches)
+        if not kept:  # the optimum of the model just refitted
+            assert planner.cluster_model is not None
+            assert record.local_batches == optimal_split(planner.cluster_model,
+                                                         1200).local_batches
 
 
 def test_partial_batch_is_split_over_the_remainder() -> None:

@@ -25,12 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # what DDP's hook annotation must name
 
 # (param, grad) -> gradient in the space the noise scale is measured in
 GradTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(kw_only=True)
@@ -53,12 +55,12 @@ class CommState:
     done: list[Any] = field(default_factory=list)
     local_parts: list[torch.Tensor] = field(default_factory=list)
     global_parts: list[torch.Tensor] = field(default_factory=list)
-    rows: torch.Tensor | None = None
+    rows: np.ndarray | None = None
     """Per-step exchange (float64) to sum over ranks, sent with bucket ``carrier_slot``."""
     rows_tail: torch.Tensor | None = None
     """The summed ``rows``, encoded, at the tail of the reduced carrier bucket."""
-    rows_work: dist.Work | None = None
-    """The all-reduce of ``rows`` on its own, when the carrier's dtype cannot carry it."""
+    rows_alone: tuple[torch.Tensor, dist.Work] | None = None
+    """``rows`` in an all-reduce of their own (when the carrier's dtype cannot carry them)."""
     sizes: list[int] = field(default_factory=list)
     """This step's bucket sizes, in the order DDP hands them over (its index order)."""
     carrier_slot: int = 0
@@ -87,16 +89,19 @@ class CommState:
         self.global_parts = []
         self.rows = None
         self.rows_tail = None
-        self.rows_work = None
+        self.rows_alone = None
 
-    def rows_reduced(self) -> torch.Tensor | None:
-        """``rows`` summed over ranks (after the backward); None if it was not sent."""
-        if self.rows_work is not None:
-            self.rows_work.wait()
-            return self.rows
-        if self.rows_tail is None or self.rows is None:
+    def rows_reduced(self) -> np.ndarray | None:
+        """``rows`` summed over ranks (after the backward); None if they were not sent."""
+        if self.rows is None:
             return None
-        return decode_rows(self.rows_tail).reshape(self.rows.shape)
+        if self.rows_alone is not None:
+            summed, work = self.rows_alone
+            work.wait()
+            return summed.cpu().numpy().reshape(self.rows.shape)
+        if self.rows_tail is None:
+            return None
+        return decode_rows(self.rows_tail.cpu().numpy()).reshape(self.rows.shape)
 
     def local_sqnorm(self) -> float:
         """|g_i|^2 of this step's local gradient (0.0 if no bucket was seen)."""
@@ -119,33 +124,36 @@ class CommState:
 
     def _add_local(self, bucket: GradBucket) -> None:
         if self.transform is None:
-            flat = bucket.buffer()
-            self.local_parts.append(torch.dot(flat, flat).double())
+            self.local_parts.append(_sqnorm(bucket.buffer()))
             return
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            g = self.transform(param, grad).detach().reshape(-1)
-            self.local_parts.append(torch.dot(g, g).double())
+            self.local_parts.append(_sqnorm(self.transform(param, grad).detach().reshape(-1)))
 
 
-def encode_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """float64 ``rows`` as a flat tensor of ``dtype`` whose sum over ranks decodes to their
-    sum, or None when ``dtype`` cannot carry them. A sum of zeros and one rank's value is
-    exact in any dtype, so the float32 (hi, lo) split loses only lo's rounding."""
+def encode_rows(rows: np.ndarray, dtype: torch.dtype) -> np.ndarray | None:
+    """float64 ``rows`` as a flat array that a bucket of ``dtype`` can carry and whose sum
+    over ranks decodes to their sum, or None when ``dtype`` cannot carry them. A sum of
+    zeros and one rank's value is exact in any dtype, so the float32 (hi, lo) split loses
+    only lo's rounding; a value beyond float32's range travels as NaN. numpy, not torch:
+    a few hundred values, where torch's per-op cost dominates."""
     flat = rows.reshape(-1)
     if dtype == torch.float64:
         return flat
     if dtype != torch.float32:
         return None
-    hi = flat.float()
-    return torch.cat([hi, (flat - hi.double()).float()])
+    if not np.abs(flat).max(initial=0.0) <= _FLOAT32_MAX:
+        flat = np.where(np.abs(flat) <= _FLOAT32_MAX, flat, np.nan)
+    hi = flat.astype(np.float32)
+    return np.concatenate([hi, (flat - hi).astype(np.float32)])
 
 
-def decode_rows(encoded: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`encode_rows` (float64, flat)."""
-    if encoded.dtype == torch.float64:
-        return encoded
-    hi, lo = encoded.double().chunk(2)
-    return hi + lo
+def decode_rows(encoded: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`encode_rows` (a new float64 array, flat)."""
+    if encoded.dtype == np.float64:
+        return encoded.copy()
+    wide = encoded.astype(np.float64)
+    half = wide.size // 2
+    return wide[:half] + wide[half:]
 
 
 def weighted_allreduce_hook(
@@ -171,12 +179,13 @@ def weighted_allreduce_hook(
     if payload is None:
         send = _scaled(buffer, state.weight, out=buffer)
     else:
-        send = state.carrier_for(buffer, payload.numel())
+        send = state.carrier_for(buffer, payload.size)
         _scaled(buffer, state.weight, out=send[:size])
-        send[size:].copy_(payload)
+        send[size:].copy_(torch.from_numpy(payload))
     future = dist.all_reduce(send, group=state.group, async_op=True).get_future()
     if rows is not None and payload is None:
-        state.rows_work = dist.all_reduce(rows, group=state.group, async_op=True)
+        alone = torch.from_numpy(rows).to(buffer.device)
+        state.rows_alone = (alone, dist.all_reduce(alone, group=state.group, async_op=True))
     global_sqnorm = state.capture_sqnorm and state.transform is None
 
     def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -192,11 +201,19 @@ def weighted_allreduce_hook(
             state.rows_tail = reduced[size:]
             reduced = reduced[:size]
         if global_sqnorm:
-            state.global_parts.append(torch.dot(reduced, reduced).double())
+            state.global_parts.append(_sqnorm(reduced))
         return reduced
 
     result: torch.futures.Future[torch.Tensor] = future.then(finish)
     return result
+
+
+def _sqnorm(flat: torch.Tensor) -> torch.Tensor:
+    """|flat|^2 as a 0-dim float32 or float64 tensor (read with ``float()`` once the
+    step's backward is done): a half-precision square overflows at |g| ~ 256."""
+    if flat.dtype in (torch.float32, torch.float64):
+        return torch.dot(flat, flat)
+    return torch.linalg.vector_norm(flat, dtype=torch.float32).square()
 
 
 def _scaled(buffer: torch.Tensor, weight: float, out: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,7 @@ class HeteroDataParallel(nn.Module):
         self._bwd_start: Any = None
         self._oom = False
         self._stepping = False
+        self._measuring = True  # this step's timings and gradient norms go to the planner
         self._scaled = False
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
@@ -230,7 +231,9 @@ class HeteroDataParallel(nn.Module):
         """The loader hands out this step's split: set the weight, reset the records."""
         total = sum(split)
         self._split = split
+        self._measuring = self.planner.measures(self.step)
         self.comm.begin_step(split[self.rank] / total)
+        self.comm.capture_sqnorm = self._measuring
         self._bwd_start = None
         self._oom = False
         self._stepping = True
@@ -300,7 +303,7 @@ class HeteroDataParallel(nn.Module):
                             ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce))
         return report, end
 
-    def _exchange_rows(self) -> torch.Tensor:
+    def _exchange_rows(self) -> np.ndarray:
         """The per-step exchange: this rank's row (this step's batch and OOM flag, the
         previous step's measurements), zeros elsewhere; summed over ranks it is every
         rank's row, an all-gather in one all-reduce."""
@@ -308,13 +311,14 @@ class HeteroDataParallel(nn.Module):
                               oom=self._oom, previous=self._previous)
         rows = np.zeros((self.world_size, REPORT_SIZE))
         rows[self.rank] = report.to_vector()
-        return torch.from_numpy(rows).to(self.device)
+        return rows
 
     def _exchange(self) -> list[WorkerReport]:
         rows = self.comm.rows_reduced()
         if rows is None:  # no gradient bucket this step: on its own
-            rows = self._exchange_rows()
-            dist.all_reduce(rows)
+            alone = torch.from_numpy(self._exchange_rows()).to(self.device)
+            dist.all_reduce(alone)
+            rows = alone.cpu().numpy()
         return [WorkerReport.from_vector(row) for row in rows.tolist()]
 
     def _global_sqnorm(self) -> float:
@@ -334,7 +338,7 @@ class HeteroDataParallel(nn.Module):
         if not self._stepping or self._split is None:
             return  # a step outside HeteroDataLoader's iteration: plain DDP semantics
         report, end = self._measure()
-        global_sqnorm = self._global_sqnorm()
+        global_sqnorm = self._global_sqnorm() if self._measuring else None
         reports = self._exchange()
         planned = tuple(r.batch for r in reports)
         if planned != self._split:
@@ -348,7 +352,9 @@ class HeteroDataParallel(nn.Module):
             return
         predicted = self.planner.predicted(self._split)
         self.planner.observe(self.step, reports, self._previous_global_sqnorm)
-        self._previous, self._previous_global_sqnorm = report, global_sqnorm
+        # an unmeasured step sends no measurements with the next one
+        self._previous = report if self._measuring else None
+        self._previous_global_sqnorm = global_sqnorm
         noise = self.planner.noise
         total = sum(self._split)
         factor = self.scaler.step_begin(total, noise.grad_sqr, noise.grad_var)

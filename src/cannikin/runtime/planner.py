@@ -49,6 +49,14 @@ DRIFT_NOISE_HISTORY = 32
 """Per worker, this many last log(measured / predicted) values estimate the timing noise.
 On a busy shared CPU the noise reaches ~0.5 in log terms, and a 30% rule alone then
 re-plans every few steps on noise."""
+MEASURE_STRIDE = 4
+"""Once a plan has held until the re-plan cadence reached its longest interval, only every
+MEASURE_STRIDE-th step is measured (timings and gradient norms, DESIGN.md §5); the others
+cost what plain DDP costs. A change of plan brings back measuring every step."""
+PLAN_HOLD = 0.003
+"""A re-plan keeps the split in force while the new model predicts it within this fraction
+of the new optimum: timing noise moves the optimum by a sample now and then, and each
+move would reset the cadence and the measuring (MEASURE_STRIDE) for nothing."""
 _STATE_VERSION = 1
 
 
@@ -341,6 +349,12 @@ class Planner:
         self._prediction = (cluster, split, predicted)
         return predicted
 
+    def measures(self, step: int) -> bool:
+        """Whether step ``step`` is measured (see :data:`MEASURE_STRIDE`); the same answer
+        on every rank, since it depends only on the planner's state."""
+        held = self._interval >= self.config.max_replan_every
+        return not held or step % MEASURE_STRIDE == 0
+
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
         return step >= self._next_replan or self._drifted is not None
@@ -446,17 +460,22 @@ class Planner:
                 plan = choice.plan
             elif cfg.split == "optimal":
                 plan = optimal_split(cluster, total)
+            if cfg.split == "optimal":
+                plan = self._held(cluster, plan)
             if cfg.split == "even":
                 even = self._even(total)
                 plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
             record = self._record(step, reason, plan.local_batches, plan.step_time,
                                   cluster=cluster, noise=noise)
         # a plan that holds is re-checked less and less often (planning costs CPU every
-        # step it runs); any change brings the cadence back to replan_every
+        # step it runs); any change brings the cadence back to replan_every, and a re-plan
+        # out of turn (a drift) that changes nothing leaves the cadence as it was
         unchanged = (record.local_batches == self.current.local_batches
-                     and cluster is not None and reason == "cadence")
-        self._interval = (min(2 * self._interval, cfg.max_replan_every) if unchanged
-                          else cfg.replan_every)
+                     and cluster is not None)
+        if not unchanged:
+            self._interval = cfg.replan_every
+        elif reason == "cadence":
+            self._interval = min(2 * self._interval, cfg.max_replan_every)
         self._next_replan = step + self._interval
         self.current = record
         if self.log_plans:
@@ -488,6 +507,19 @@ class Planner:
         return cap
 
     # -- internals -------------------------------------------------------------------------------
+    def _held(self, cluster: ClusterModel, plan: Plan) -> Plan:
+        """The split in force instead of ``plan`` if it is as good (:data:`PLAN_HOLD`)."""
+        current = self.current.local_batches
+        if current == plan.local_batches or sum(current) != sum(plan.local_batches):
+            return plan
+        if not all(n.min_batch <= b <= (b if n.max_batch is None else n.max_batch)
+                   for n, b in zip(cluster.nodes, current, strict=True)):
+            return plan  # a cap came down: the old split no longer fits
+        kept = float(cluster.step_time(list(current)))
+        if kept <= (1.0 + PLAN_HOLD) * plan.step_time:
+            return Plan(local_batches=current, step_time=kept)
+        return plan
+
     def _fitting_total(self, total: int) -> int:
         """``total``, lowered to what the caps can hold (after out-of-memory lowered them)."""
         room = [self.config.cap_of(i) for i in range(self.config.world_size)]
