@@ -71,6 +71,10 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
                 exchange: np.ndarray | None = None) -> dict[str, Any]:
     """Max |grad - reference| / max |reference| over SPLITS, one optimizer-free step each.
 
+    Every other step the hook also takes |g_i|^2 and |g|^2 (as on the runtime's measured
+    steps); ``sqnorm_err`` is their largest relative error against this rank's local
+    gradient and the reference gradient, computed in one process.
+
     With ``exchange`` (float64, one row per rank) each step also sends this rank's row,
     scaled by the step number, through the hook, and reports the largest relative error
     of the sum that comes back and how it travelled.
@@ -83,7 +87,7 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
     state = CommState(clock=CpuClock())
     if hooked:
         ddp.register_comm_hook(state, weighted_allreduce_hook)
-    worst = rows_err = 0.0
+    worst = rows_err = sqnorm_err = 0.0
     paths = []
     for step, split in enumerate(SPLITS):
         total = sum(split)
@@ -92,6 +96,7 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
         lo = sum(split[:rank])
         xs, ys = x[lo:lo + split[rank]], y[lo:lo + split[rank]]
         state.begin_step(split[rank] / total)
+        state.capture_sqnorm = step % 2 == 0
         if exchange is not None:
             state.rows = np.zeros_like(exchange)
             state.rows[rank] = exchange[rank] * (step + 1)
@@ -104,6 +109,10 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
             rows_err = max(rows_err, float((abs(got - expected) / abs(expected)).max()))
             paths.append("own collective" if state.rows_alone is not None else
                          f"tail of bucket {state.carrier_slot}")
+        if hooked and state.capture_sqnorm and split[rank] > 0:
+            ref.zero_grad(set_to_none=False)
+            F.cross_entropy(ref(xs), ys).backward()  # this rank's local mean gradient
+            sqnorm_err = max(sqnorm_err, _relative(state.local_sqnorm(), _sqnorm(ref)))
         ref.zero_grad(set_to_none=False)
         if per_chunk_reference:  # BatchNorm statistics of each worker's own chunk
             bounds = [sum(split[:i]) for i in range(len(split) + 1)]
@@ -118,9 +127,25 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
         # (a bias feeding BatchNorm) must not turn rounding noise into a huge ratio
         scale = max(float(q.abs().max()) for _, q in pairs)
         worst = max(worst, max(float((p - q).abs().max()) for p, q in pairs) / scale)
+        if hooked and state.capture_sqnorm:
+            measured = state.global_sqnorm()
+            assert measured is not None, "the hook did not take |g|^2"
+            sqnorm_err = max(sqnorm_err, _relative(measured, _sqnorm(ref)))
+        elif hooked:
+            assert state.local_sqnorm() == 0.0 and state.global_sqnorm() is None
+    figures = {"rel_err": worst, "sqnorm_err": sqnorm_err}
     if exchange is None:
-        return {"rel_err": worst}
-    return {"rel_err": worst, "rows_err": rows_err, "paths": paths, "sizes": state.sizes}
+        return figures
+    return {**figures, "rows_err": rows_err, "paths": paths, "sizes": state.sizes}
+
+
+def _sqnorm(model: nn.Module) -> float:
+    return sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()
+               if p.grad is not None)
+
+
+def _relative(got: float, expected: float) -> float:
+    return abs(got - expected) / max(abs(expected), 1e-30)
 
 
 def check_grad_mlp() -> dict[str, float]:

@@ -247,7 +247,8 @@ class HeteroDataParallel(nn.Module):
             if not (self._stepping and torch.is_grad_enabled()):
                 raise
             out = self._placeholder_after_oom(args, kwargs)
-        if self._stepping and torch.is_grad_enabled() and self._bwd_start is None:
+        if (self._stepping and self._measuring and torch.is_grad_enabled()
+                and self._bwd_start is None):
             tensor = _first_grad_tensor(out)
             if tensor is not None:
                 tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
@@ -276,10 +277,9 @@ class HeteroDataParallel(nn.Module):
                        **_map_tensors(kwargs, lambda t: t[:1]))
         return _map_tensors(out, lambda t: t.expand(batch, *t.shape[1:]))
 
-    def _measure(self) -> tuple[StepReport, Any]:
-        """This rank's measurements of the step that just finished its backward."""
+    def _measure(self, end: Any) -> StepReport:
+        """This rank's measurements of the step whose backward finished at ``end``."""
         clock, comm = self.clock, self.comm
-        end = clock.mark()
         prev = self._prev_mark
         step_s = clock.elapsed(prev, end)
         ready = [clock.elapsed(prev, m) for m in comm.ready]
@@ -301,7 +301,7 @@ class HeteroDataParallel(nn.Module):
         report = StepReport(batch=self._split[self.rank] if self._split else 0,
                             sqnorm=comm.local_sqnorm(), fwd_s=start, bwd_s=bwd, step_s=step_s,
                             ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce))
-        return report, end
+        return report
 
     def _exchange_rows(self) -> np.ndarray:
         """The per-step exchange: this rank's row (this step's batch and OOM flag, the
@@ -337,7 +337,9 @@ class HeteroDataParallel(nn.Module):
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._stepping or self._split is None:
             return  # a step outside HeteroDataLoader's iteration: plain DDP semantics
-        report, end = self._measure()
+        end = self.clock.mark()
+        step_s = self.clock.elapsed(self._prev_mark, end)
+        report = self._measure(end) if self._measuring else None
         global_sqnorm = self._global_sqnorm() if self._measuring else None
         reports = self._exchange()
         planned = tuple(r.batch for r in reports)
@@ -352,19 +354,18 @@ class HeteroDataParallel(nn.Module):
             return
         predicted = self.planner.predicted(self._split)
         self.planner.observe(self.step, reports, self._previous_global_sqnorm)
-        # an unmeasured step sends no measurements with the next one
-        self._previous = report if self._measuring else None
-        self._previous_global_sqnorm = global_sqnorm
+        self._previous, self._previous_global_sqnorm = report, global_sqnorm
         noise = self.planner.noise
         total = sum(self._split)
         factor = self.scaler.step_begin(total, noise.grad_sqr, noise.grad_var)
         self._scaled = True
         self.last_metrics = {
             "step": self.step, "epoch": self.loader.epoch, "local_batches": list(self._split),
-            "total_batch": total, "step_time_s": report.step_s,
+            "total_batch": total, "step_time_s": step_s,
             "predicted_step_time_s": predicted, "lr_factor": factor,
-            "noise_scale": noise.noise_scale(), "fwd_s": report.fwd_s, "bwd_s": report.bwd_s,
-            "trained": total,
+            "noise_scale": noise.noise_scale(), "measured": report is not None,
+            "fwd_s": None if report is None else report.fwd_s,
+            "bwd_s": None if report is None else report.bwd_s, "trained": total,
         }
         if self.planner.due(self.step):
             self.planner.replan(self.step)
