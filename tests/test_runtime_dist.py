@@ -16,7 +16,7 @@ import pytest
 from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
-          "exchange", "oom_retry", "train_hetero"]
+          "exchange", "oom_retry", "train_hetero", "eval_between_steps"]
 LAUNCH_TIMEOUT_S = 150.0
 
 
@@ -53,6 +53,14 @@ def test_exchange_rows_arrive_summed_with_the_gradient(figures: dict[str, Any],
     else:  # the first step's one bucket, then the smaller of the rebuilt two
         assert got["sizes"][1] < got["sizes"][0]
         assert got["paths"] == ["tail of bucket 0", "tail of bucket 0", "tail of bucket 1"]
+
+
+def test_an_evaluation_between_steps_is_not_measured(figures: dict[str, Any]) -> None:
+    got = figures["eval_between_steps"]
+    assert got["measured"] == [step != 6 for step in range(10)]  # not yet held: all others
+    assert got["step_time_s"][6] > 0.3  # the pause is in step 6's cycle ...
+    assert max(f for f in got["fwd_s"] if f is not None) < 0.3  # ... and no measured one
+    assert got["fitted_fwd"] and all(f0 + f1 * 16 < 0.3 for f0, f1 in got["fitted_fwd"])
 
 
 def test_plain_ddp_average_is_wrong_for_uneven_batches(figures: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -318,6 +319,31 @@ def check_train_hetero() -> dict[str, Any]:
         model.remove_hooks()
     del os.environ["CANNIKIN_SLOWDOWN"]
     return out
+
+
+def check_eval_between_steps() -> dict[str, Any]:
+    """An evaluation (forward outside a step, then a 0.3 s pause) after step 5: the next
+    step is not measured, so the pause never reaches the planner as forward time."""
+    data = _blobs(600)
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(data, batch_size=48, seed=4)
+    sink = Recorder()
+    model = HeteroDataParallel(net, opt, loader, split="even", metrics=sink)
+    for step, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step == 5:
+            with torch.no_grad():
+                model(x)
+            time.sleep(0.3)
+        if step == 9:
+            break
+    fitted = [n.fwd for n in model.cluster_model.nodes] if model.cluster_model else []
+    return {"measured": [r["measured"] for r in sink.rows],
+            "fwd_s": [r["fwd_s"] for r in sink.rows],
+            "step_time_s": [r["step_time_s"] for r in sink.rows], "fitted_fwd": fitted}
 
 
 class OomOnRank1(nn.Module):

@@ -150,6 +150,7 @@ class HeteroDataParallel(nn.Module):
         self._oom = False
         self._stepping = False
         self._measuring = True  # this step's timings and gradient norms go to the planner
+        self._interrupted = False  # a forward ran between steps (an evaluation)
         self._scaled = False
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
@@ -231,7 +232,11 @@ class HeteroDataParallel(nn.Module):
         """The loader hands out this step's split: set the weight, reset the records."""
         total = sum(split)
         self._split = split
-        self._measuring = self.planner.measures(self.step)
+        # a forward between two steps (an evaluation) lies inside this step's cycle, which
+        # runs from the previous backward: this rank does not measure it, and the planner
+        # skips a step some rank did not measure
+        self._measuring = self.planner.measures(self.step) and not self._interrupted
+        self._interrupted = False
         self.comm.begin_step(split[self.rank] / total)
         self.comm.capture_sqnorm = self._measuring
         self._bwd_start = None
@@ -241,6 +246,8 @@ class HeteroDataParallel(nn.Module):
             self._prev_mark = self.clock.mark()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._stepping:
+            self._interrupted = True
         try:
             out = self.ddp(*args, **kwargs)
         except torch.cuda.OutOfMemoryError:
