@@ -512,8 +512,8 @@ class Planner:
         current = self.current.local_batches
         if current == plan.local_batches or sum(current) != sum(plan.local_batches):
             return plan
-        if not all(n.min_batch <= b <= (b if n.max_batch is None else n.max_batch)
-                   for n, b in zip(cluster.nodes, current, strict=True)):
+        bounds = cluster.arrays  # the bounds optimal_split planned within
+        if not np.all((bounds.lo <= current) & (np.asarray(current) <= bounds.hi)):
             return plan  # a cap came down: the old split no longer fits
         kept = float(cluster.step_time(list(current)))
         if kept <= (1.0 + PLAN_HOLD) * plan.step_time:
