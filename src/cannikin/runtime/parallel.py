@@ -284,11 +284,10 @@ class HeteroDataParallel(nn.Module):
                        **_map_tensors(kwargs, lambda t: t[:1]))
         return _map_tensors(out, lambda t: t.expand(batch, *t.shape[1:]))
 
-    def _measure(self, end: Any) -> StepReport:
-        """This rank's measurements of the step whose backward finished at ``end``."""
+    def _measure(self, step_s: float) -> StepReport:
+        """This rank's measurements of the step just finished (its period ``step_s``)."""
         clock, comm = self.clock, self.comm
         prev = self._prev_mark
-        step_s = clock.elapsed(prev, end)
         ready = [clock.elapsed(prev, m) for m in comm.ready]
         done = [clock.elapsed(prev, m) for m in comm.done if m is not None]
         if self._bwd_start is not None:
@@ -346,7 +345,7 @@ class HeteroDataParallel(nn.Module):
             return  # a step outside HeteroDataLoader's iteration: plain DDP semantics
         end = self.clock.mark()
         step_s = self.clock.elapsed(self._prev_mark, end)
-        report = self._measure(end) if self._measuring else None
+        report = self._measure(step_s) if self._measuring else None
         global_sqnorm = self._global_sqnorm() if self._measuring else None
         reports = self._exchange()
         planned = tuple(r.batch for r in reports)
