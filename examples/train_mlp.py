@@ -49,6 +49,8 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = init_distributed()
     setup_logging(ctx.rank)
+    if ctx.rank == 0:
+        print(f"{ctx.world_size} workers, backend {ctx.backend}, device {ctx.device}", flush=True)
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     dataset = TensorDataset(x, torch.tensor(digits.target))

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from cannikin.runtime.distributed import (
     DistContext,
     _agree_on_generation,
+    _choose_backend,
     destroy_distributed,
     free_port,
     init_distributed,
@@ -87,6 +88,38 @@ def test_single_process_without_launcher() -> None:
 )
 def test_bad_environment_is_named(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
+        init_distributed(env=env)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(("gpus", "local_world_size", "backend"),
+                         [(0, 1, "gloo"), (1, 1, "nccl"), (1, 3, "gloo"), (4, 3, "nccl")])
+def test_default_backend_is_nccl_only_with_a_gpu_per_process(
+        monkeypatch: pytest.MonkeyPatch, gpus: int, local_world_size: int, backend: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert _choose_backend(None, local_world_size) == backend
+
+
+def test_more_processes_than_gpus_default_to_gloo_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # e.g. the README's 3-worker example on a one-GPU laptop
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ctx = init_distributed(env={"LOCAL_WORLD_SIZE": "3"})
+    try:
+        assert ctx.backend == "gloo" and ctx.device == torch.device("cpu")
+    finally:
+        destroy_distributed()
+
+
+def test_nccl_local_rank_without_a_gpu_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one GPU and three processes: nccl cannot give local rank 2 a device of its own
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    env = {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}
+    with pytest.raises(ValueError, match=r"local rank 2 has none: this machine has 1 CUDA "
+                                         r"device\(s\), so run at most 1 process\(es\)"):
         init_distributed(env=env)
     assert not dist.is_initialized()
 

@@ -11,6 +11,9 @@ def test_train_mlp_example_runs_and_learns() -> None:
     result = run_torchrun(ROOT / "examples" / "train_mlp.py", nproc=2,
                           script_args=["--epochs", "2", "--batch-size", "64"],
                           timeout_s=120.0, env={"CANNIKIN_SLOWDOWN": "2,1"}).check()
+    # nccl only where each of the 2 processes has a GPU of its own
+    assert re.search(r"2 workers, backend (gloo, device cpu|nccl, device cuda:0)",
+                     result.stdout), result.stdout
     losses = [float(v) for v in re.findall(r"epoch \d+: loss ([0-9.]+)", result.stdout)]
     assert len(losses) == 2, result.stdout
     assert losses[1] < losses[0] < 2.31  # below chance (ln 10) after one epoch, then lower

@@ -2,6 +2,9 @@
 
 Start-up costs ~8 s on this machine, so the checks share a launch (module fixture) and
 each test asserts on the figures its check reported (so a failure shows the number).
+Where CUDA exists, the checks of the whole API run again on the GPU: on cuda:0 shared by 3
+gloo workers (CUDA-event timing, the hook on CUDA buckets, SyncBatchNorm) and under nccl
+with one worker per GPU; without CUDA (as in CI) those runs skip.
 """
 
 from __future__ import annotations
@@ -12,34 +15,88 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "train_hetero", "eval_between_steps"]
 LAUNCH_TIMEOUT_S = 150.0
+NO_CUDA = "no CUDA device here"
+
+
+def _launch(out: Path, checks: list[str], *, nproc: int = 3,
+            env: dict[str, str] | None = None) -> dict[str, Any]:
+    result = run_torchrun(WORKERS / "runtime_checks.py", nproc=nproc,
+                          script_args=[str(out), *checks], timeout_s=LAUNCH_TIMEOUT_S,
+                          env={"CANNIKIN_SLOWDOWN": "", **(env or {})})
+    result.check()  # a crash, or a hang killed at the timeout, fails here
+    figures: dict[str, Any] = json.loads(out.read_text())
+    return {name.removeprefix("cuda_"): value for name, value in figures.items()}
 
 
 @pytest.fixture(scope="module")
 def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("runtime") / "figures.json"
-    result = run_torchrun(WORKERS / "runtime_checks.py", nproc=3,
-                          script_args=[str(out), *CHECKS], timeout_s=LAUNCH_TIMEOUT_S,
-                          env={"CANNIKIN_SLOWDOWN": ""})
-    result.check()  # a crash, or a hang killed at the timeout, fails here
-    figures: dict[str, Any] = json.loads(out.read_text())
-    return figures
+    return _launch(tmp_path_factory.mktemp("runtime") / "figures.json", CHECKS)
 
 
-@pytest.mark.parametrize("check", ["grad_mlp", "grad_unused", "grad_batchnorm",
-                                   "hdp_gradient"])
+@pytest.fixture(scope="module")
+def cuda_figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        pytest.skip(NO_CUDA)
+    return _launch(tmp_path_factory.mktemp("cuda") / "figures.json",
+                   ["cuda_hdp_gradient", "cuda_train_hetero", "syncbn"])
+
+
+@pytest.fixture(scope="module")
+def nccl_figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        pytest.skip(NO_CUDA)
+    return _launch(tmp_path_factory.mktemp("nccl") / "figures.json", ["cuda_hdp_gradient"],
+                   nproc=min(torch.cuda.device_count(), 3),
+                   env={"CANNIKIN_CHECK_BACKEND": "nccl"})
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def api_figures(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The whole-API checks (hdp_gradient, train_hetero) on CPU, and on the GPU over gloo;
+    ``device`` says which."""
+    figures = request.getfixturevalue("figures" if request.param == "cpu" else "cuda_figures")
+    return {**figures, "device": request.param}
+
+
+@pytest.mark.parametrize("check", ["grad_mlp", "grad_unused", "grad_batchnorm"])
 def test_weighted_gradient_equals_single_process(figures: dict[str, Any], check: str) -> None:
     # hook checks: splits (3, 11, 50), (50, 3, 11), (0, 30, 34) across DDP's bucket rebuild;
-    # BatchNorm against per-worker statistics; hdp_gradient through loader + wrapper with
-    # a capped worker (10, 27, 27) and the final partial batch
+    # BatchNorm against per-worker statistics
     assert figures[check]["rel_err"] < 1e-5
-    if check != "hdp_gradient":  # |g_i|^2 and |g|^2 as the hook took them (every other step)
-        assert figures[check]["sqnorm_err"] < 1e-5
+    # |g_i|^2 and |g|^2 as the hook took them (every other step)
+    assert figures[check]["sqnorm_err"] < 1e-5
+
+
+def test_whole_api_gradient_equals_single_process(api_figures: dict[str, Any]) -> None:
+    # through loader + wrapper with a capped worker (10, 27, 27) and the final partial batch
+    assert api_figures["hdp_gradient"]["rel_err"] < 1e-5
+
+
+def test_nccl_gradient_equals_single_process(nccl_figures: dict[str, Any]) -> None:
+    got = nccl_figures["hdp_gradient"]
+    assert got["rel_err"] < 1e-5 and got["clock"] == "CudaClock"
+    _assert_timings_consistent(got["timings"])
+
+
+def _assert_timings_consistent(timings: list[list[float]]) -> None:
+    """Forward and backward lie inside the step they were measured in."""
+    assert timings, "no step was measured"
+    for step_s, fwd_s, bwd_s in timings:
+        assert fwd_s > 0 and bwd_s >= 0 and fwd_s + bwd_s <= step_s * (1 + 1e-6), timings
+
+
+def test_step_timings_are_consistent(api_figures: dict[str, Any]) -> None:
+    got = api_figures["hdp_gradient"]
+    assert got["clock"] == {"cpu": "CpuClock", "cuda": "CudaClock"}[api_figures["device"]]
+    _assert_timings_consistent(got["timings"])
+    _assert_timings_consistent(api_figures["train_hetero"]["optimal"]["timings"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
@@ -67,8 +124,8 @@ def test_plain_ddp_average_is_wrong_for_uneven_batches(figures: dict[str, Any]) 
     assert figures["grad_plain_ddp"]["rel_err"] > 1e-2
 
 
-def test_capped_worker_split(figures: dict[str, Any]) -> None:
-    assert figures["hdp_gradient"]["split"] == [10, 27, 27]
+def test_capped_worker_split(api_figures: dict[str, Any]) -> None:
+    assert api_figures["hdp_gradient"]["split"] == [10, 27, 27]
 
 
 def test_oom_lowers_cap_and_retries_every_sample(figures: dict[str, Any]) -> None:
@@ -83,8 +140,8 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values)
 
 
-def test_adapted_split_trains_faster(figures: dict[str, Any]) -> None:
-    even, opt = figures["train_hetero"]["even"], figures["train_hetero"]["optimal"]
+def test_adapted_split_trains_faster(api_figures: dict[str, Any]) -> None:
+    even, opt = api_figures["train_hetero"]["even"], api_figures["train_hetero"]["optimal"]
     # slowdowns 4, 2, 1: the fastest worker (rank 2) takes the largest batch
     batches = opt["local_batches"]
     assert batches[2] > batches[1] > batches[0] and sum(batches) == 96
@@ -93,27 +150,22 @@ def test_adapted_split_trains_faster(figures: dict[str, Any]) -> None:
     assert ratio <= 0.8, ratio
 
 
-def test_loss_goes_down_and_samples_are_used_once(figures: dict[str, Any]) -> None:
-    for phase in figures["train_hetero"].values():
+def test_loss_goes_down_and_samples_are_used_once(api_figures: dict[str, Any]) -> None:
+    for phase in api_figures["train_hetero"].values():
         losses = phase["losses"]
         assert _mean(losses[-5:]) < 0.5 * _mean(losses[:5])
         assert phase["samples"] == phase["distinct_samples"]
 
 
-def test_prediction_error_of_window_mean_step_time(figures: dict[str, Any]) -> None:
-    opt = figures["train_hetero"]["optimal"]
+def test_prediction_error_of_window_mean_step_time(api_figures: dict[str, Any]) -> None:
+    opt = api_figures["train_hetero"]["optimal"]
     assert len(opt["windows"]) >= 4  # re-plans back off (5, 10, 20 .. steps) once stable
     assert opt["window_error"] < 0.10, opt["windows"]
     # per-step error is reported, not asserted (single steps are noisy here)
     assert opt["step_error"] == opt["step_error"]  # computed (not NaN)
 
 
-def test_syncbn_uneven_counts_match_single_process(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch's SyncBatchNorm runs on GPU only; no CUDA device here")
-    out = tmp_path / "figures.json"
-    run_torchrun(WORKERS / "runtime_checks.py", nproc=3, script_args=[str(out), "syncbn"],
-                 timeout_s=LAUNCH_TIMEOUT_S).check()
-    syncbn = json.loads(out.read_text())["syncbn"]
+def test_syncbn_uneven_counts_match_single_process(cuda_figures: dict[str, Any]) -> None:
+    # torch's SyncBatchNorm runs on GPU only: skipped without CUDA
+    syncbn = cuda_figures["syncbn"]
     assert syncbn["out_err"] < 1e-4 and syncbn["stat_err"] < 1e-5, syncbn

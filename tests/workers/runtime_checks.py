@@ -3,7 +3,8 @@
 Usage: ``torchrun --standalone --nproc-per-node=3 runtime_checks.py OUT_JSON check ...``.
 Every rank runs every named check in order; rank 0 writes ``{check: figures}`` to
 OUT_JSON. Checks return numbers and the pytest side asserts on them, so a failure
-message shows the measured figure.
+message shows the measured figure. The group is gloo unless ``CANNIKIN_CHECK_BACKEND``
+names another; checks named ``cuda_*`` run the check of the rest of the name on the GPU.
 """
 
 from __future__ import annotations
@@ -256,22 +257,36 @@ def _all_indices(seen: list[int]) -> list[int]:
     return sorted(i for part in everyone for i in part)
 
 
-def check_hdp_gradient() -> dict[str, float]:
-    """Through the whole API (loader split, weight, hook): grad == single process."""
+def _cuda() -> torch.device:
+    """This rank's GPU: its own under nccl, the shared cuda:0 under gloo."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _timings(rows: list[dict[str, Any]]) -> list[list[float]]:
+    """(step, forward, backward) seconds of each measured step, as the clock took them."""
+    return [[r["step_time_s"], r["fwd_s"], r["bwd_s"]] for r in rows if r["measured"]]
+
+
+def _hdp_gradient(device: torch.device) -> dict[str, Any]:
+    """Through the whole API (loader split, weight, hook, clock): grad == single process."""
     data = _blobs(200)
-    net = _classifier()
+    net = _classifier().to(device)
     ref = copy.deepcopy(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
     loader = HeteroDataLoader(data, batch_size=64, seed=3)
+    world = dist.get_world_size()
+    caps = [10] + [None] * (world - 1) if world > 1 else None  # 3 workers: 10, 27, 27
+    sink = Recorder()
     model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
-                               max_local_batch=[10, None, None])  # split 10, 27, 27
+                               max_local_batch=caps, metrics=sink)
     worst = 0.0
     for step, (x, y, idx) in enumerate(loader):
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
         union = torch.tensor(_all_indices(idx.tolist()))
         ref.zero_grad()
-        F.cross_entropy(ref(data.tensors[0][union]), data.tensors[1][union]).backward()
+        F.cross_entropy(ref(data.tensors[0][union].to(device)),
+                        data.tensors[1][union].to(device)).backward()
         scale = max(float(q.grad.abs().max()) for q in ref.parameters())
         worst = max(worst, max(float((p.grad - q.grad).abs().max())
                                for p, q in zip(net.parameters(), ref.parameters(),
@@ -279,16 +294,26 @@ def check_hdp_gradient() -> dict[str, float]:
         opt.step()
         if step == 3:  # 64+64+64+8: the last, partial batch is split too
             break
-    return {"rel_err": worst, "split": list(model.plan.local_batches)}
+    model.remove_hooks()
+    return {"rel_err": worst, "split": list(model.plan.local_batches),
+            "timings": _timings(sink.rows), "clock": type(model.clock).__name__}
 
 
-def check_train_hetero() -> dict[str, Any]:
+def check_hdp_gradient() -> dict[str, Any]:
+    return _hdp_gradient(torch.device("cpu"))
+
+
+def check_cuda_hdp_gradient() -> dict[str, Any]:
+    return _hdp_gradient(_cuda())
+
+
+def _train_hetero(device: torch.device) -> dict[str, Any]:
     """Emulated speeds 1, 2, 4 (slowdowns 4, 2, 1): even phase, then the adapted phase."""
     os.environ["CANNIKIN_SLOWDOWN"] = "4,2,1"
     data = _blobs(6000)
     out: dict[str, Any] = {}
     for phase, steps in (("even", 16), ("optimal", 60)):
-        net = _classifier()
+        net = _classifier().to(device)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         loader = HeteroDataLoader(data, batch_size=96, seed=1)
         sink = Recorder()
@@ -297,7 +322,7 @@ def check_train_hetero() -> dict[str, Any]:
         losses, seen = [], []
         for step, (x, y, idx) in enumerate(loader):
             opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
             loss.backward()
             opt.step()
             losses.append(float(loss))
@@ -314,11 +339,19 @@ def check_train_hetero() -> dict[str, Any]:
             "step_error": tracker.median_step_error(),
             "windows": tracker.window_errors(),
             "distinct_samples": len(set(everyone)), "samples": len(everyone),
-            "rows": sink.rows[-3:],
+            "rows": sink.rows[-3:], "timings": _timings(sink.rows),
         }
         model.remove_hooks()
     del os.environ["CANNIKIN_SLOWDOWN"]
     return out
+
+
+def check_train_hetero() -> dict[str, Any]:
+    return _train_hetero(torch.device("cpu"))
+
+
+def check_cuda_train_hetero() -> dict[str, Any]:
+    return _train_hetero(_cuda())
 
 
 def check_eval_between_steps() -> dict[str, Any]:
@@ -390,8 +423,9 @@ CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
 def main() -> None:
     out_path, names = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
-    # gloo even where CUDA exists: the SyncBN check puts every rank on cuda:0
-    ctx = init_distributed("gloo", timeout_s=60.0)  # a dead or hung peer fails in 60 s
+    # gloo unless told otherwise, even where CUDA exists: the cuda checks then share cuda:0
+    backend = os.environ.get("CANNIKIN_CHECK_BACKEND", "gloo")
+    ctx = init_distributed(backend, timeout_s=60.0)  # a dead or hung peer fails in 60 s
     setup_logging(ctx.rank)
     results = {}
     for name in names:

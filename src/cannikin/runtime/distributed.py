@@ -102,14 +102,29 @@ def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> i
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
-def _choose_backend(backend: str | None) -> str:
+def _choose_backend(backend: str | None, local_world_size: int) -> str:
+    """nccl where every process on this machine can have a GPU of its own, else gloo."""
     if backend is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return "nccl" if 0 < local_world_size <= gpus else "gloo"
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA, which is not available; use 'gloo'")
     return backend
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    """``cuda:<local_rank>`` with nccl (which refuses two ranks on one GPU), else cpu."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"backend 'nccl' gives each process its own GPU, but local rank {local_rank} has "
+            f"none: this machine has {count} CUDA device(s), so run at most {count} "
+            f"process(es) per node, or use backend 'gloo'")
+    return torch.device("cuda", local_rank)
 
 
 _POLL_S = 0.01
@@ -173,9 +188,10 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = DEFAULT_T
                      env: Mapping[str, str] | None = None) -> DistContext:
     """Initialise the default process group from the launch environment and describe it.
 
-    ``backend`` None picks nccl when CUDA is available, else gloo. Without ``RANK`` in the
-    environment a single-process group is made, so scripts also run without torchrun. If a
-    default group already exists it is reused (its backend wins) and described.
+    ``backend`` None picks nccl when this machine has a GPU for each of its processes
+    (``LOCAL_WORLD_SIZE``), else gloo on CPU. Without ``RANK`` in the environment a
+    single-process group is made, so scripts also run without torchrun. If a default group
+    already exists it is reused (its backend wins) and described.
     """
     env = os.environ if env is None else env
     if timeout_s <= 0:
@@ -188,10 +204,9 @@ def init_distributed(backend: str | None = None, *, timeout_s: float = DEFAULT_T
         backend = str(dist.get_backend())
         rank, world_size = dist.get_rank(), dist.get_world_size()
     else:
-        backend = _choose_backend(backend)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+        backend = _choose_backend(backend, _env_int(env, "LOCAL_WORLD_SIZE", 1))
+    device = _device_for(backend, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                       backend=backend, restart_count=restart_count, timeout_s=timeout_s)
