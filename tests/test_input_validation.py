@@ -103,3 +103,10 @@ def test_valid_edges_are_accepted() -> None:
     assert model.plan.local_batches == (20,)
     model = wrap(autoscaled(8, (8, 8)))
     assert model.total_batch == 8
+
+
+def test_a_cpu_model_under_nccl_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="the process group is nccl, which reduces CUDA "
+                                         "tensors only, but the model is on cpu"):
+        wrap()

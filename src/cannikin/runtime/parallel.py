@@ -118,6 +118,10 @@ class HeteroDataParallel(nn.Module):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         first = next(module.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
+        if dist.get_backend() == "nccl" and self.device.type != "cuda":
+            raise ValueError(f"the process group is nccl, which reduces CUDA tensors only, but "
+                             f"the model is on {self.device}: move it to this process's GPU "
+                             f"(init_distributed's ctx.device) before wrapping it")
         self.optimizer = optimizer
         self.loader = loader
         self.metrics = metrics
