@@ -113,6 +113,8 @@ def test_unwritable_output_paths(tmp_path: Path, capsys: pytest.CaptureFixture[s
     a_file = tmp_path / "file"
     a_file.touch()
     assert "not a directory" in usage_error(["--out", str(a_file)], capsys)
+    assert "is a directory, expected a file path" in usage_error(["--json", str(tmp_path)],
+                                                                 capsys)
 
 
 def test_config_round_trips_through_json() -> None:

@@ -60,6 +60,8 @@ CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
      ValueError, r"dataset of 20 samples is smaller than one batch \(batch_size=32\)"),
     ("... also with drop_last", lambda: HeteroDataLoader(DATA, batch_size=32, drop_last=True),
      ValueError, "dataset of 20 samples"),
+    ("rank outside the world", lambda: HeteroDataLoader(DATA, batch_size=8, rank=2),
+     ValueError, r"rank 2 is not a worker of a world of 1: expected 0 <= rank < 1"),
     ("empty dataset", lambda: HeteroDataLoader(TensorDataset(torch.zeros(0, 3)), batch_size=1),
      ValueError, "dataset of 0 samples"),
     ("max_batch_size < batch_size", lambda: autoscaled(4, (1, None)), ValueError,

@@ -20,7 +20,7 @@ import torch
 from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
-          "exchange", "oom_retry", "train_hetero", "eval_between_steps"]
+          "exchange", "oom_retry", "train_hetero", "eval_between_steps", "adam_noise_reset"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -118,6 +118,13 @@ def test_an_evaluation_between_steps_is_not_measured(figures: dict[str, Any]) ->
     assert got["step_time_s"][6] > 0.3  # the pause is in step 6's cycle ...
     assert max(f for f in got["fwd_s"] if f is not None) < 0.3  # ... and no measured one
     assert got["fitted_fwd"] and all(f0 + f1 * 16 < 0.3 for f0, f1 in got["fitted_fwd"])
+
+
+def test_noise_scale_starts_over_when_adam_preconditions(figures: dict[str, Any]) -> None:
+    got = figures["adam_noise_reset"]
+    # steps 0-4 feed 4 raw-gradient updates; step 5 is the first preconditioned one
+    assert got["updates"] == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4], got
+    assert got["noise_scale"] is not None and got["noise_scale"] > 0
 
 
 def test_plain_ddp_average_is_wrong_for_uneven_batches(figures: dict[str, Any]) -> None:

@@ -379,6 +379,26 @@ def check_eval_between_steps() -> dict[str, Any]:
             "step_time_s": [r["step_time_s"] for r in sink.rows], "fitted_fwd": fitted}
 
 
+def check_adam_noise_reset() -> dict[str, Any]:
+    """Adam preconditions after 5 steps: the noise scale's count of updates after each step
+    (it sees each step's norms one step late) starts over when the space changes."""
+    data = _blobs(600)
+    net = _classifier()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    loader = HeteroDataLoader(data, batch_size=48, seed=5)
+    model = HeteroDataParallel(net, opt, loader, split="even")
+    updates = []
+    for step, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        updates.append(model.planner.noise.num_updates)
+        if step == 9:
+            break
+    model.remove_hooks()
+    return {"updates": updates, "noise_scale": model.noise_scale}
+
+
 class OomOnRank1(nn.Module):
     """Raises CUDA's out-of-memory error on rank 1 for local batches above 15."""
 

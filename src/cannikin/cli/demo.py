@@ -2,15 +2,16 @@
 the even split of plain DDP and then with Cannikin, and compare them side by side.
 
 Bad input (an unknown option, speeds that do not match the worker count, a speed that is not
-positive, more workers than the machine holds, an output path that cannot be written) is
-reported in one line with exit status 2 before any worker starts. A failed or timed-out run
-exits with status 1 and names the log to read.
+positive, more workers than the machine holds, an output file in a missing or read-only
+directory, or a directory given as a file) is reported in one line with exit status 2 before
+any worker starts. A failed or timed-out run exits with status 1 and names the log to read.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -64,7 +65,7 @@ def _speeds(text: str) -> tuple[float, ...]:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo", help="the main job: a local emulated heterogeneous cluster, trained for real",
-        description=__doc__.splitlines()[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
     )
     parser.add_argument("--workers", type=_positive_int,
                         help="number of workers (default 4, or one per --speeds value)")
@@ -100,6 +101,18 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=_run, parser=parser)
 
 
+def _unwritable_file(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (checked before a run of minutes), or None."""
+    parent = path.resolve().parent
+    if not parent.is_dir():
+        return f"directory {parent} does not exist"
+    if path.is_dir():
+        return "is a directory, expected a file path"
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        return f"{'file' if path.exists() else f'directory {parent}'} is not writable"
+    return None
+
+
 def _config(args: argparse.Namespace) -> Any:
     """The validated DemoConfig, or a usage error (exit 2) naming what is wrong."""
     from cannikin.demo.config import DEFAULT_WORKERS, DemoConfig, default_speeds
@@ -113,8 +126,9 @@ def _config(args: argparse.Namespace) -> Any:
     speeds = args.speeds or default_speeds(args.workers or DEFAULT_WORKERS)
     for option in ("json", "plot"):
         path: Path | None = getattr(args, option)
-        if path is not None and not path.resolve().parent.is_dir():
-            parser.error(f"--{option} {path}: directory {path.resolve().parent} does not exist")
+        problem = None if path is None else _unwritable_file(path)
+        if problem is not None:
+            parser.error(f"--{option} {path}: {problem}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
     epochs = args.epochs if args.epochs is not None or args.steps is not None else DEFAULT_EPOCHS

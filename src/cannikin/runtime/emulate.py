@@ -8,9 +8,9 @@ The model computes once at its real speed; then hooks sleep until the time a dev
 
 The targets are spread over the parameters in proportion to their size, as a cumulative
 schedule: after each layer's forward, and just before each parameter's gradient is
-accumulated in backward, the worker sleeps until ``start + factor * (share done so far) *
-target``. DDP marks a gradient ready after accumulation, so its buckets become ready at the
-emulated times and communication overlaps a slow backward as it would on a slow device.
+accumulated in backward, the worker sleeps until ``start + (share done so far) * target``.
+DDP marks a gradient ready after accumulation, so its buckets become ready at the emulated
+times and communication overlaps a slow backward as it would on a slow device.
 Sleeping instead of repeating the compute leaves the cores to the other workers, and set
 above the real (contended) cost, ``fixed_s`` and ``per_sample_s`` give an exact linear time
 model; :attr:`SlowdownHandle.late` counts the points where the real compute overran it.

@@ -77,8 +77,8 @@ class HeteroDataLoader:
 
     Every index of an epoch is used exactly once, whatever the splits and however often
     they change; breaking out of the loop and iterating again resumes the same epoch.
-    ``rank``/``world_size`` default to the default process group (or 0/1 without one);
-    HeteroDataParallel sets them when it attaches.
+    ``rank`` and ``world_size`` each default to the default process group's (or 0 and 1
+    without one); HeteroDataParallel sets them when it attaches.
     """
 
     def __init__(self, dataset: Dataset[Any], batch_size: int, *, seed: int = 0,
@@ -94,11 +94,15 @@ class HeteroDataLoader:
         self.batch_size = batch_size
         self.collate_fn = collate_fn or default_collate
         self.sampler = UnevenSampler(size, seed=seed, drop_last=drop_last)
+        initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
         if world_size is None:
-            initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
             world_size = torch.distributed.get_world_size() if initialized else 1
+        if rank is None:
             rank = torch.distributed.get_rank() if initialized else 0
-        self.rank = 0 if rank is None else rank
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not a worker of a world of {world_size}: "
+                             f"expected 0 <= rank < {world_size}")
+        self.rank = rank
         self.world_size = world_size
         self.autoscale: Autoscale | None = None
         self.controller: StepController = _EvenSplit(batch_size, world_size)

@@ -88,8 +88,9 @@ class HeteroDataParallel(nn.Module):
     """Data-parallel training over workers of different speeds and memory.
 
     ``split``: "optimal" plans the split by OptPerf; "even" keeps the DDP split (the
-    baseline, measured the same way). ``lr_scaling``: "adascale", "linear", "sqrt" or
-    "none" (applied when the total batch differs from the loader's ``batch_size``).
+    baseline, measured the same way). ``lr_scaling``: "adascale", "adamscale" (for Adam),
+    "linear", "sqrt" or "none" (applied when the total batch differs from the loader's
+    ``batch_size``).
     ``replan_every``: steps between re-plans after ``warmup_steps`` even-split steps.
     ``metrics``: a sink with ``log(metrics, step)``, called on rank 0 every step.
     ``max_local_batch``: this rank's memory cap (int), or one per rank; an out-of-memory
@@ -156,6 +157,7 @@ class HeteroDataParallel(nn.Module):
         self._measuring = True  # this step's timings and gradient norms go to the planner
         self._interrupted = False  # a forward ran between steps (an evaluation)
         self._scaled = False
+        self._preconditioned: bool | None = None  # Adam past its warm-up; None: not yet seen
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
         loader.attach(self, self.rank, self.world_size)
@@ -364,6 +366,7 @@ class HeteroDataParallel(nn.Module):
             return
         predicted = self.planner.predicted(self._split)
         self.planner.observe(self.step, reports, self._previous_global_sqnorm)
+        self._follow_preconditioner()
         self._previous, self._previous_global_sqnorm = report, global_sqnorm
         noise = self.planner.noise
         total = sum(self._split)
@@ -379,6 +382,21 @@ class HeteroDataParallel(nn.Module):
         }
         if self.planner.due(self.step):
             self.planner.replan(self.step)
+
+    def _follow_preconditioner(self) -> None:
+        """When Adam's preconditioning starts (after its warm-up), this step's norms are the
+        first in the new space: the noise scale forgets the raw-gradient steps, all of which
+        it has seen by now (the exchange is one step late). Every rank's optimizer state
+        has the same step counts, so every rank resets at the same step; a run resumed past
+        the warm-up keeps its restored noise scale."""
+        if not self.precondition.adaptive or self._preconditioned:
+            return
+        active = self.precondition.active
+        if active and self._preconditioned is False:
+            logger.info("step %d: Adam's preconditioning starts; the noise scale starts over",
+                        self.step)
+            self.planner.noise.reset()
+        self._preconditioned = active
 
     def _skip_step_after_oom(self, reports: Sequence[WorkerReport]) -> None:
         for rank, r in enumerate(reports):

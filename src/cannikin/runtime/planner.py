@@ -568,7 +568,9 @@ class Planner:
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, object]:
-        """Plain numbers: fitted models by device name, total batch, caps, noise scale."""
+        """Plain numbers: fitted models by device name, total batch, communication model,
+        noise scale. Memory caps are not kept: a cap lowered after an out-of-memory is
+        found again (one skipped step) if the run resumes on the same device."""
         models = dict(self.cached)
         if self.cluster_model is not None:
             models.update({n.name: n for n in self.cluster_model.nodes})

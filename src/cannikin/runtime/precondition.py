@@ -36,7 +36,8 @@ class Preconditioner:
     identity.  The returned tensor may be ``grad`` itself: do not modify it in place.
 
     The measured space changes when the preconditioning starts (:attr:`active` turns True):
-    reset the noise-scale tracker then, or the raw-gradient steps linger in its average.
+    the noise-scale tracker must be reset then, or the raw-gradient steps linger in its
+    average (HeteroDataParallel does this).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, warmup_steps: int = 5) -> None:

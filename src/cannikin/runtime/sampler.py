@@ -4,8 +4,9 @@ Each epoch has one seeded permutation of the dataset indices, the same on every 
 consumes the next ``sum(local_batches)`` indices of it at the shared ``position``; rank ``r``
 gets the slice after the first ``r`` workers' shares. Because every rank advances the position
 by the same total, every index of an epoch is used exactly once whatever the splits and however
-often they (or the number of workers) change. The state is four integers (seed, epoch,
-position, dataset size), so a checkpoint resumes exactly where training stopped.
+often they (or the number of workers) change. The state is a few plain numbers (seed, epoch,
+position, dataset size, ``drop_last``, a version), so a checkpoint resumes exactly where
+training stopped.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class UnevenSampler:
         self._permutation = None
 
     def state_dict(self) -> dict[str, int | bool]:
-        """Plain integers: enough to resume exactly-once on any number of workers."""
+        """Plain numbers: enough to resume exactly-once on any number of workers."""
         return {"version": STATE_VERSION, "num_samples": self.num_samples, "seed": self.seed,
                 "epoch": self.epoch, "position": self.position, "drop_last": self.drop_last}
 

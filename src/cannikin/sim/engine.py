@@ -203,7 +203,8 @@ class Comparison:
         return mine / oracle.time_to_target_s
 
     def summary(self) -> dict[str, dict[str, float | None]]:
-        """Per policy: time_to_target_s, mean_step_time_s, mean_total_batch, ratio_to_oracle."""
+        """Per policy: time_to_target_s, mean_step_time_s, mean_total_batch, ratio_to_oracle,
+        prediction_error_median (None when nothing was predicted)."""
         return {name: {
             "time_to_target_s": r.time_to_target_s,
             "mean_step_time_s": r.mean_step_time_s,

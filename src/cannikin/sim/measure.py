@@ -24,7 +24,7 @@ class PolicyContext:
 
     num_workers: int
     max_local_batch: tuple[int, ...]
-    """Per-worker memory bound on the local batch (the runtime's local_bsz_bounds)."""
+    """Per-worker memory bound on the local batch (the runtime's ``max_local_batch``)."""
     init_batch: int
     """B0: the batch size the hyper-parameters were tuned for."""
     max_batch: int
