@@ -31,6 +31,8 @@ NEAR_OPTIMAL = 1.05
 """A plan "follows" the cluster when its true step time is within 5% of the optimum."""
 DRIFT_BOUND_STEPS = 20
 """Steps after a 2x slowdown by which the plan must be near-optimal for good."""
+LONG_RUN_STEPS = 400
+"""Long enough for the warm-up's even-split samples to leave every fitter's window."""
 
 Corrupt = Callable[[int, list[StepReport]], list[StepReport]]
 
@@ -60,7 +62,7 @@ def measure(cluster: ClusterModel, split: Sequence[int],
 
 def drive(speeds_at: Callable[[int], Sequence[float]], seed: int,
           corrupt: Corrupt | None = None,
-          inspect: Callable[[int, Planner], None] | None = None
+          inspect: Callable[[int, Planner], None] | None = None, steps: int = STEPS
           ) -> tuple[list[tuple[int, ...]], list[float]]:
     """Run the planner loop; return each step's split and its true time / optimum.
     ``inspect(step, planner)`` is called after each step's measurements are folded in."""
@@ -70,7 +72,7 @@ def drive(speeds_at: Callable[[int], Sequence[float]], seed: int,
     previous: list[StepReport | None] = [None] * len(SPEEDS)
     previous_global: float | None = None
     splits, quality = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         cluster = truth(speeds_at(step))
         split = planner.split_for(planner.total_batch)
         splits.append(split)
@@ -208,3 +210,28 @@ def test_heavy_timing_noise_does_not_trigger_drift_replans() -> None:
         drift_replans.append(sum("drifted" in r.reason for r in planners[-1].history))
     print(f"drift re-plans in {STEPS} steps under heavy noise: {drift_replans}")
     assert max(drift_replans) <= 2, drift_replans
+
+
+def test_a_held_plan_stays_near_optimal_under_heavy_noise_for_long() -> None:
+    # once a plan holds, each worker's batch spans a few samples; under 25% timing noise the
+    # least-squares slope of so narrow a range lands near 0 about as often as near the truth,
+    # and the next plan then gives that worker most of the batch. Without the fitter's slope
+    # prior (cannikin.perf.SLOPE_PRIOR_SD) the worst plans here were 1.15-1.32x the optimum
+    # (up to 2.6x in 2000-step runs); with it, 1.03-1.06x.
+    def noisy(seed: int) -> Corrupt:
+        rng = np.random.default_rng(200 + seed)
+
+        def corrupt(step: int, reports: list[StepReport]) -> list[StepReport]:
+            factors = np.exp(0.25 * rng.standard_normal((len(reports), 2)))
+            return [dataclasses.replace(r, fwd_s=r.fwd_s * kf, bwd_s=r.bwd_s * kb)
+                    for r, (kf, kb) in zip(reports, factors, strict=True)]
+        return corrupt
+
+    worst = []
+    for seed in SEEDS:
+        splits, quality = drive(steady, seed, noisy(seed), steps=LONG_RUN_STEPS)
+        assert_valid(splits)
+        worst.append(max(quality[50:]))
+    print(f"25% noise, {LONG_RUN_STEPS} steps: worst plan after step 50 / optimum "
+          f"{[round(w, 3) for w in worst]}")
+    assert max(worst) <= 1.15, worst
