@@ -20,7 +20,8 @@ import torch
 from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
-          "exchange", "oom_retry", "train_hetero", "eval_between_steps", "adam_noise_reset"]
+          "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
+          "adam_noise_reset"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -135,8 +136,9 @@ def test_capped_worker_split(api_figures: dict[str, Any]) -> None:
     assert api_figures["hdp_gradient"]["split"] == [10, 27, 27]
 
 
-def test_oom_lowers_cap_and_retries_every_sample(figures: dict[str, Any]) -> None:
-    oom = figures["oom_retry"]
+@pytest.mark.parametrize("check", ["oom_retry", "oom_retry_batchnorm"])
+def test_oom_lowers_cap_and_retries_every_sample(figures: dict[str, Any], check: str) -> None:
+    oom = figures[check]
     assert oom["cap"] is not None and oom["cap"] <= 15  # rank 1 fails above 15
     assert oom["split"][1] <= 15 and sum(oom["split"]) == 60
     assert oom["samples"] == oom["distinct"] == 300  # each sample trained on exactly once

@@ -400,11 +400,14 @@ def check_adam_noise_reset() -> dict[str, Any]:
 
 
 class OomOnRank1(nn.Module):
-    """Raises CUDA's out-of-memory error on rank 1 for local batches above 15."""
+    """Raises CUDA's out-of-memory error on rank 1 for local batches above 15; with
+    ``batchnorm``, a BatchNorm1d (buffers DDP broadcasts before every forward) inside."""
 
-    def __init__(self) -> None:
+    def __init__(self, batchnorm: bool = False) -> None:
         super().__init__()
         self.net = _classifier()
+        if batchnorm:
+            self.net.insert(1, nn.BatchNorm1d(64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if dist.get_rank() == 1 and len(x) > 15:
@@ -414,8 +417,17 @@ class OomOnRank1(nn.Module):
 
 def check_oom_retry() -> dict[str, Any]:
     """A simulated OOM lowers that worker's cap, re-plans everywhere, retries the samples."""
+    return _oom_retry(OomOnRank1())
+
+
+def check_oom_retry_batchnorm() -> dict[str, Any]:
+    """The same with BatchNorm and DDP's default buffer broadcast: the retried forward
+    must not broadcast a second time (the peers would pair it with a gradient bucket)."""
+    return _oom_retry(OomOnRank1(batchnorm=True))
+
+
+def _oom_retry(net: nn.Module) -> dict[str, Any]:
     data = _blobs(300)
-    net = OomOnRank1()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     loader = HeteroDataLoader(data, batch_size=60, seed=2)
     sink = Recorder()

@@ -274,11 +274,15 @@ class HeteroDataParallel(nn.Module):
             self._bwd_start = self.clock.mark()
 
     def _placeholder_after_oom(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Out of memory in forward: run one sample so every collective still lines up.
+        """Out of memory in forward: run two samples so every collective still lines up.
 
-        The output is that sample's, repeated to the local batch so the user's loss still
-        computes; the step's update is skipped on every rank and the samples come again
-        with a split under this rank's lowered cap (see :meth:`_before_optimizer_step`).
+        The output is the first sample's, repeated to the local batch so the user's loss
+        still computes; the step's update is skipped on every rank and the samples come
+        again with a split under this rank's lowered cap (see
+        :meth:`_before_optimizer_step`). Two samples, not one: BatchNorm refuses a single
+        value per channel in training. DDP broadcast the buffers before the forward that
+        failed, so the placeholder's forward must not broadcast them again: the peers
+        would pair that broadcast with a gradient bucket's all-reduce and hang.
         """
         logger.warning("rank %d: out of memory in forward at local batch %s", self.rank,
                        None if self._split is None else self._split[self.rank])
@@ -286,9 +290,10 @@ class HeteroDataParallel(nn.Module):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         batch = 0 if self._split is None else self._split[self.rank]
-        out = self.ddp(*_map_tensors(args, lambda t: t[:1]),
-                       **_map_tensors(kwargs, lambda t: t[:1]))
-        return _map_tensors(out, lambda t: t.expand(batch, *t.shape[1:]))
+        self.ddp.require_forward_param_sync = False  # DDP's own forward sets it again
+        out = self.ddp(*_map_tensors(args, lambda t: t[:2]),
+                       **_map_tensors(kwargs, lambda t: t[:2]))
+        return _map_tensors(out, lambda t: t[:1].expand(batch, *t.shape[1:]))
 
     def _measure(self, step_s: float) -> StepReport:
         """This rank's measurements of the step just finished (its period ``step_s``)."""
