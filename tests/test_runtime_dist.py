@@ -21,7 +21,7 @@ from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
-          "adam_noise_reset"]
+          "adam_noise_reset", "amp"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -178,3 +178,21 @@ def test_syncbn_uneven_counts_match_single_process(cuda_figures: dict[str, Any])
     # torch's SyncBatchNorm runs on GPU only: skipped without CUDA
     syncbn = cuda_figures["syncbn"]
     assert syncbn["out_err"] < 1e-4 and syncbn["stat_err"] < 1e-5, syncbn
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_loss_scaling_leaves_the_noise_scale_unchanged(figures: dict[str, Any],
+                                                       optimizer: str) -> None:
+    # GradScaler at 2^10: the hook sees gradients 2^10 times the true ones, and both norms
+    # are taken there; before, Adam's |g|^2 came from the unscaled gradients (noise 1e12)
+    plain, scaled = figures["amp"][f"{optimizer}_plain"], figures["amp"][f"{optimizer}_scaled"]
+    assert plain["noise_scale"] is not None and plain["skipped"] == scaled["skipped"] == []
+    assert scaled["noise_scale"] == pytest.approx(plain["noise_scale"], rel=1e-6)
+
+
+def test_an_overflowed_step_is_skipped_and_the_next_is_not_measured(
+        figures: dict[str, Any]) -> None:
+    got = figures["amp"]["overflow"]
+    assert got["skipped"] == [3, 12] and got["finite"]
+    assert got["unmeasured"] == [4, 13]  # its cycle runs from step 2's (11's) backward
+    assert got["noise_scale"] is not None and 0 < got["noise_scale"] < 1e6

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -446,6 +447,51 @@ def _oom_retry(net: nn.Module) -> dict[str, Any]:
             "cap": model.planner.config.caps[1], "split": list(model.plan.local_batches)}
 
 
+def _amp_run(optimizer: str, scale: float | None, overflow_at: tuple[int, ...] = (),
+             steps: int = 24) -> dict[str, Any]:
+    """Train with a GradScaler starting at ``scale`` (None: no scaler); the loss is inf on
+    the steps ``overflow_at``, which the scaler then skips (halving its scale)."""
+    data = _blobs(2400)
+    net = _classifier()
+    opt = (torch.optim.Adam(net.parameters(), lr=1e-3) if optimizer == "adam"
+           else torch.optim.SGD(net.parameters(), lr=0.05))
+    loader = HeteroDataLoader(data, batch_size=48, seed=5)
+    model = HeteroDataParallel(net, opt, loader, split="even")
+    scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale,
+                                                              growth_interval=10**9)
+    skipped, unmeasured = [], []
+    for step, (x, y, _) in enumerate(loader):
+        if step == steps:
+            break
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y) * (math.inf if step in overflow_at else 1.0)
+        before = model.step
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        if model.step == before:
+            skipped.append(step)
+        elif not model.last_metrics["measured"]:
+            unmeasured.append(step)
+    model.remove_hooks()
+    return {"noise_scale": model.noise_scale, "skipped": skipped, "unmeasured": unmeasured,
+            "finite": all(bool(torch.isfinite(p).all()) for p in net.parameters())}
+
+
+def check_amp() -> dict[str, Any]:
+    """AMP's loss scaling: the noise scale is the unscaled run's (the hook takes |g_i|^2 and
+    |g|^2 of the scaled gradients, the same space); an overflowed step is skipped and the
+    step after it, whose cycle spans both, is not measured."""
+    runs = {f"{opt}_{'scaled' if scale else 'plain'}": _amp_run(opt, scale)
+            for opt in ("sgd", "adam") for scale in (None, 2.0**10)}
+    runs["overflow"] = _amp_run("adam", 2.0**10, overflow_at=(3, 12))
+    return runs
+
+
 CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     name.removeprefix("check_"): fn for name, fn in globals().items()
     if name.startswith("check_") and callable(fn)
@@ -470,3 +516,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

@@ -40,10 +40,12 @@ class CommState:
     """Shared state of the weighted all-reduce hook; one per wrapped model.
 
     ``weight`` is b_i / B for the current step (set before each backward).
-    ``transform`` maps a local gradient into the space |g_i|^2 is measured in; None is
-    the identity, and then the hook also takes the global |g|^2 from the reduced buckets
-    (one dot product per bucket, no extra pass over the gradients). The ``ready``/``done``
-    lists and squared norms are this step's records, cleared by :meth:`begin_step`.
+    ``transform`` maps a gradient into the space the noise scale is measured in (None: the
+    identity, one dot product per bucket). The hook takes the local |g_i|^2 before the
+    all-reduce and the global |g|^2 from the reduced bucket, both through ``transform``,
+    so the two are in the same space even under a scaled loss (AMP's GradScaler unscales
+    the gradients only before the optimizer step). The ``ready``/``done`` lists and squared
+    norms are this step's records, cleared by :meth:`begin_step`.
     """
 
     clock: Any
@@ -108,8 +110,8 @@ class CommState:
         return float(sum(float(t) for t in self.local_parts))
 
     def global_sqnorm(self) -> float | None:
-        """|g|^2 of the all-reduced gradient, if the hook measured it (identity transform)."""
-        if self.transform is not None or not self.capture_sqnorm or not self.global_parts:
+        """|g|^2 of the all-reduced gradient, if the hook measured it this step."""
+        if not self.capture_sqnorm or not self.global_parts:
             return None
         return float(sum(float(t) for t in self.global_parts))
 
@@ -123,11 +125,23 @@ class CommState:
         return carrier
 
     def _add_local(self, bucket: GradBucket) -> None:
+        self._add_sqnorm(self.local_parts, bucket, bucket.buffer())
+
+    def _add_global(self, bucket: GradBucket, reduced: torch.Tensor) -> None:
+        self._add_sqnorm(self.global_parts, bucket, reduced)
+
+    def _add_sqnorm(self, parts: list[torch.Tensor], bucket: GradBucket,
+                    flat: torch.Tensor) -> None:
+        """|transform(flat)|^2 into ``parts``; ``flat`` is laid out as the bucket's buffer
+        (each gradient a view of it, found by its offset)."""
         if self.transform is None:
-            self.local_parts.append(_sqnorm(bucket.buffer()))
+            parts.append(_sqnorm(flat))
             return
+        base, size = bucket.buffer().data_ptr(), flat.element_size()
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            self.local_parts.append(_sqnorm(self.transform(param, grad).detach().reshape(-1)))
+            start = (grad.data_ptr() - base) // size
+            part = flat[start:start + grad.numel()].view(grad.shape)
+            parts.append(_sqnorm(self.transform(param, part).detach().reshape(-1)))
 
 
 def encode_rows(rows: np.ndarray, dtype: torch.dtype) -> np.ndarray | None:
@@ -186,7 +200,7 @@ def weighted_allreduce_hook(
     if rows is not None and payload is None:
         alone = torch.from_numpy(rows).to(buffer.device)
         state.rows_alone = (alone, dist.all_reduce(alone, group=state.group, async_op=True))
-    global_sqnorm = state.capture_sqnorm and state.transform is None
+    capture = state.capture_sqnorm
 
     def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         state.done[slot] = state.clock.mark()
@@ -200,8 +214,8 @@ def weighted_allreduce_hook(
         if payload is not None:
             state.rows_tail = reduced[size:]
             reduced = reduced[:size]
-        if global_sqnorm:
-            state.global_parts.append(_sqnorm(reduced))
+        if capture:
+            state._add_global(bucket, reduced)
         return reduced
 
     result: torch.futures.Future[torch.Tensor] = future.then(finish)

@@ -238,10 +238,12 @@ class HeteroDataParallel(nn.Module):
         """The loader hands out this step's split: set the weight, reset the records."""
         total = sum(split)
         self._split = split
-        # a forward between two steps (an evaluation) lies inside this step's cycle, which
-        # runs from the previous backward: this rank does not measure it, and the planner
-        # skips a step some rank did not measure
-        self._measuring = self.planner.measures(self.step) and not self._interrupted
+        # a forward between two steps (an evaluation), or a step that never reached the
+        # optimizer (AMP's GradScaler skips the update when a gradient overflowed) lies
+        # inside this step's cycle, which runs from the previous backward: this rank does
+        # not measure it, and the planner skips a step some rank did not measure
+        interrupted = self._interrupted or self._stepping
+        self._measuring = self.planner.measures(self.step) and not interrupted
         self._interrupted = False
         self.comm.begin_step(split[self.rank] / total)
         self.comm.capture_sqnorm = self._measuring
@@ -339,7 +341,8 @@ class HeteroDataParallel(nn.Module):
         return [WorkerReport.from_vector(row) for row in rows.tolist()]
 
     def _global_sqnorm(self) -> float:
-        """|g|^2 of the all-reduced gradient, in the noise scale's space."""
+        """|g|^2 of the all-reduced gradient, in the noise scale's space: as the hook took
+        it, or from the gradients if no bucket reached the hook this step."""
         measured = self.comm.global_sqnorm()
         if measured is not None:
             return measured
