@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -88,18 +87,3 @@ class Preconditioner:
         correction_sqrt = math.sqrt(1.0 - beta2**step)
         denom = (second.sqrt() / correction_sqrt).add_(float(group["eps"]))
         return grad / denom.to(grad.dtype)
-
-    def sqnorm(
-        self, params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor]
-    ) -> torch.Tensor:
-        """``sum |P g|^2`` over matching ``params`` / ``grads``, a float64 scalar tensor.
-
-        Stays on the gradients' device (no host sync), so it can be all-gathered directly.
-        """
-        total: torch.Tensor | None = None
-        for param, grad in zip(params, grads, strict=True):
-            term = self(param, grad).pow(2).sum(dtype=torch.float64)
-            total = term if total is None else total + term
-        if total is None:
-            return torch.zeros((), dtype=torch.float64)
-        return total
