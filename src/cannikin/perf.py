@@ -39,11 +39,11 @@ MIN_SLOPE_FRACTION = 1e-3
 # The slope is shrunk toward the proportional model's (the median time per sample: the line
 # with no fixed cost, about the steepest one a non-negative intercept allows) as a Gaussian
 # prior with this relative standard deviation, weighed against the data by the residual
-# noise. Once a plan holds, a worker's
-# batch spans a few samples, and with 25% timing noise the least-squares slope then lands
-# near 0 as often as near the truth: the worker looks free for extra samples and the next
-# plan gives it most of the batch (2.6x the optimal step time in the planner's 2000-step
-# runs). With the prior the same runs stay within 1.06x; spread data outweighs it.
+# noise. Once a plan holds, a worker's batch spans a few samples, and with 25% timing noise
+# the least-squares slope then lands near 0 as often as near the truth: the worker looks
+# free for extra samples and the next plan gives it most of the batch (2.6x the optimal
+# step time in the planner's 2000-step runs). With the prior the same runs stay within
+# 1.06x; spread data outweighs it.
 SLOPE_PRIOR_SD = 0.5
 # Relative tolerance added to the robust scale so exact (noise-free) samples are inliers.
 _SCALE_FLOOR = 1e-9

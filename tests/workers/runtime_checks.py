@@ -401,19 +401,22 @@ def check_adam_noise_reset() -> dict[str, Any]:
 
 
 class OomOnRank1(nn.Module):
-    """Raises CUDA's out-of-memory error on rank 1 for local batches above 15; with
-    ``batchnorm``, a BatchNorm1d (buffers DDP broadcasts before every forward) inside."""
+    """Raises CUDA's out-of-memory error on rank 1 for local batches above 15. ``full``: a
+    BatchNorm1d inside (buffers DDP broadcasts before every forward) and the loss computed
+    in forward (a 0-dim output), as many models do."""
 
-    def __init__(self, batchnorm: bool = False) -> None:
+    def __init__(self, full: bool = False) -> None:
         super().__init__()
         self.net = _classifier()
-        if batchnorm:
+        self.full = full
+        if full:
             self.net.insert(1, nn.BatchNorm1d(64))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if dist.get_rank() == 1 and len(x) > 15:
             raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
-        return self.net(x)
+        logits = self.net(x)
+        return F.cross_entropy(logits, y) if self.full else logits
 
 
 def check_oom_retry() -> dict[str, Any]:
@@ -422,12 +425,13 @@ def check_oom_retry() -> dict[str, Any]:
 
 
 def check_oom_retry_batchnorm() -> dict[str, Any]:
-    """The same with BatchNorm and DDP's default buffer broadcast: the retried forward
-    must not broadcast a second time (the peers would pair it with a gradient bucket)."""
-    return _oom_retry(OomOnRank1(batchnorm=True))
+    """The same with BatchNorm and DDP's default buffer broadcast (the retried forward must
+    not broadcast a second time: the peers would pair it with a gradient bucket) and the
+    loss as the model's output."""
+    return _oom_retry(OomOnRank1(full=True))
 
 
-def _oom_retry(net: nn.Module) -> dict[str, Any]:
+def _oom_retry(net: OomOnRank1) -> dict[str, Any]:
     data = _blobs(300)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     loader = HeteroDataLoader(data, batch_size=60, seed=2)
@@ -437,7 +441,8 @@ def _oom_retry(net: nn.Module) -> dict[str, Any]:
     updates = 0
     for x, y, idx in loader:
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        out = model(x, y)
+        (out if net.full else F.cross_entropy(out, y)).backward()
         opt.step()
         if model.last_metrics.get("skipped") is None:
             updates += 1
@@ -516,4 +521,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

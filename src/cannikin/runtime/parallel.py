@@ -293,9 +293,9 @@ class HeteroDataParallel(nn.Module):
             torch.cuda.empty_cache()
         batch = 0 if self._split is None else self._split[self.rank]
         self.ddp.require_forward_param_sync = False  # DDP's own forward sets it again
-        out = self.ddp(*_map_tensors(args, lambda t: t[:2]),
-                       **_map_tensors(kwargs, lambda t: t[:2]))
-        return _map_tensors(out, lambda t: t[:1].expand(batch, *t.shape[1:]))
+        out = self.ddp(*_map_tensors(args, lambda t: t[:2] if t.dim() else t),
+                       **_map_tensors(kwargs, lambda t: t[:2] if t.dim() else t))
+        return _map_tensors(out, lambda t: t[:1].expand(batch, *t.shape[1:]) if t.dim() else t)
 
     def _measure(self, step_s: float) -> StepReport:
         """This rank's measurements of the step just finished (its period ``step_s``)."""
