@@ -74,13 +74,15 @@ def _first_grad_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _map_tensors(value: Any, fn: Any) -> Any:
+def _map_batched(value: Any, fn: Any) -> Any:
+    """``fn`` applied to every tensor with a batch dimension in a nested value; 0-dim
+    tensors (a loss, a scalar argument) and anything else pass through."""
     if isinstance(value, torch.Tensor):
-        return fn(value)
+        return fn(value) if value.dim() else value
     if isinstance(value, tuple | list):
-        return type(value)(_map_tensors(v, fn) for v in value)
+        return type(value)(_map_batched(v, fn) for v in value)
     if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
+        return {k: _map_batched(v, fn) for k, v in value.items()}
     return value
 
 
@@ -293,9 +295,9 @@ class HeteroDataParallel(nn.Module):
             torch.cuda.empty_cache()
         batch = 0 if self._split is None else self._split[self.rank]
         self.ddp.require_forward_param_sync = False  # DDP's own forward sets it again
-        out = self.ddp(*_map_tensors(args, lambda t: t[:2] if t.dim() else t),
-                       **_map_tensors(kwargs, lambda t: t[:2] if t.dim() else t))
-        return _map_tensors(out, lambda t: t[:1].expand(batch, *t.shape[1:]) if t.dim() else t)
+        out = self.ddp(*_map_batched(args, lambda t: t[:2]),
+                       **_map_batched(kwargs, lambda t: t[:2]))
+        return _map_batched(out, lambda t: t[:1].expand(batch, *t.shape[1:]))
 
     def _measure(self, step_s: float) -> StepReport:
         """This rank's measurements of the step just finished (its period ``step_s``)."""
