@@ -54,8 +54,12 @@ def test_lost_node_resumes_from_checkpoint_with_exactly_once_samples(tmp_path: P
     assert not any(r.timed_out for r in results)
 
     logs = read_logs(tmp_path)
-    first = [r for r in logs if r["gen"] == 0 and r["event"] == "step"]
-    second = [r for r in logs if r["gen"] > 0]
+    # a run is one worker process; its start record says which world it trained in (the
+    # restart count cannot: an agent that restarts a healthy worker keeps its count at 0)
+    run_world = {r["run"]: r["world"] for r in logs if r["event"] == "start"}
+    assert sorted(run_world.values()) == [2, 2, 3, 3, 3], run_world
+    first = [r for r in logs if run_world[r["run"]] == 3 and r["event"] == "step"]
+    second = [r for r in logs if run_world[r["run"]] == 2]
     assert {r["world"] for r in first} == {3} and {r["world"] for r in second} == {2}
     assert max(r["step"] for r in first) >= PAUSE  # the kill came mid-epoch, after step 14
 

@@ -2,7 +2,9 @@
 
 Every rank appends one JSON line per finished step (the dataset indices it trained on) to
 ``<out>/samples-g<restart>-r<rank>.jsonl``, flushed at once so a SIGKILL loses nothing that
-was written. The job checkpoints every ``--checkpoint-every`` steps (``save_training``: rank 0
+was written; ``run`` (the process id) tells the runs apart, since the restart count is the
+agent's own and stays 0 on an agent that restarts a healthy worker for the membership
+change. The job checkpoints every ``--checkpoint-every`` steps (``save_training``: rank 0
 writes, every rank takes part). On the first run (restart count 0) every rank pauses after
 step ``--pause-after`` and touches ``paused-r<rank>`` until the test, having SIGKILLed one
 node, creates ``resume``; the survivors' next collective then fails, torchrun restarts them
@@ -11,6 +13,7 @@ in a smaller world, and they resume from the newest checkpoint (``resume_trainin
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -59,7 +62,8 @@ def main() -> None:
     log_path = args.out / f"samples-g{ctx.restart_count}-r{ctx.rank}.jsonl"
     with open(log_path, "a", buffering=1) as log:
         def record(**fields: object) -> None:
-            log.write(json.dumps({"gen": ctx.restart_count, "rank": ctx.rank, "time": time.time(),
+            log.write(json.dumps({"gen": ctx.restart_count, "run": os.getpid(),
+                                  "rank": ctx.rank, "time": time.time(),
                                   "world": ctx.world_size, **fields}) + "\n")
 
         record(event="start", step=model.step, epoch=loader.epoch,
