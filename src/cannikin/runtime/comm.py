@@ -17,11 +17,27 @@ gloo a collective costs far more than its bytes (every ring round is a wake-up o
 rank), and the bucket is written once anyway when it is scaled. float64 rows travel as
 (hi, lo) float32 pairs in a float32 bucket, so they arrive to ~1e-14; a bucket of another
 dtype (fp16, bf16) cannot carry them and they go in a small collective of their own.
+
+Nothing of Python may be left for the backend's worker thread to destroy. That thread
+finishes each collective, and anything Python it drops takes the GIL; once the main thread
+has begun interpreter finalisation, ``take_gil`` ends the thread with ``pthread_exit``, whose
+forced unwind through a noexcept C++ destructor aborts the process (``terminate called
+without an active exception``) after the training finished. Two things did that: a
+``.then`` callback on the collective's future (the worker thread completes the child future
+DDP waits on *before* it destroys the callback), and the ``contextvars.Context`` that torch
+keeps in the backward's thread-local state, which every collective launched from the
+backward copies into its work (:func:`_backward_context_unstashed`). So the hook launches
+its all-reduces without that context and hands DDP a future of its own, which a
+:class:`_Finisher` thread completes: one per backward, a plain non-daemon Python thread,
+which the interpreter joins before it finalises.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook signature at run time.
 
-from collections.abc import Callable
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +88,10 @@ class CommState:
     """The carrier bucket and ``rows`` side by side, kept from step to step (a fresh tensor
     of a bucket's size costs page faults on every step); DDP has copied the reduced head
     into the gradients before the next backward writes it again."""
+    finisher: "_Finisher | None" = None
+    """This backward's all-reduces in flight (started by its first bucket)."""
+    stream: torch.cuda.Stream | None = None
+    """See :meth:`side_stream`."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.weight <= 1.0:
@@ -82,6 +102,9 @@ class CommState:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"weight must be b_i/B in [0, 1], got {weight}")
         self.weight = weight
+        if self.finisher is not None:
+            self.finisher.abandon()  # a backward that stopped part-way leaves it waiting
+            self.finisher = None
         if self.sizes:
             self.carrier_slot = min(range(len(self.sizes)), key=self.sizes.__getitem__)
         self.sizes = []
@@ -114,6 +137,15 @@ class CommState:
         if not self.capture_sqnorm or not self.global_parts:
             return None
         return float(sum(float(t) for t in self.global_parts))
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """A CUDA stream of this state's own on ``device`` (None on CPU): the all-reduces
+        are waited for on it, so a mark there times the collective, not the backward."""
+        if device.type != "cuda":
+            return None
+        if self.stream is None or self.stream.device != device:
+            self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return self.stream
 
     def carrier_for(self, bucket: torch.Tensor, extra: int) -> torch.Tensor:
         """A flat tensor like ``bucket`` with ``extra`` more elements (:attr:`carrier`)."""
@@ -196,30 +228,162 @@ def weighted_allreduce_hook(
         send = state.carrier_for(buffer, payload.size)
         _scaled(buffer, state.weight, out=send[:size])
         send[size:].copy_(torch.from_numpy(payload))
-    future = dist.all_reduce(send, group=state.group, async_op=True).get_future()
-    if rows is not None and payload is None:
-        alone = torch.from_numpy(rows).to(buffer.device)
-        state.rows_alone = (alone, dist.all_reduce(alone, group=state.group, async_op=True))
-    capture = state.capture_sqnorm
+    with _backward_context_unstashed():
+        work = dist.all_reduce(send, group=state.group, async_op=True)
+        if rows is not None and payload is None:
+            alone = torch.from_numpy(rows).to(buffer.device)
+            state.rows_alone = (alone, dist.all_reduce(alone, group=state.group,
+                                                       async_op=True))
+    if state.finisher is None or state.finisher.closed:
+        state.finisher = _Finisher(state, buffer.device)
+    return state.finisher.add(_Reduction(
+        slot=slot, bucket=bucket, sent=send, size=size, carries_rows=payload is not None,
+        measured=state.capture_sqnorm, work=work, last=bucket.is_last()))
 
-    def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        state.done[slot] = state.clock.mark()
+
+@dataclass(kw_only=True)
+class _Reduction:
+    """One bucket's all-reduce in flight."""
+
+    slot: int
+    bucket: GradBucket
+    sent: torch.Tensor
+    """What is all-reduced: the bucket's buffer, or the carrier (the bucket, then rows)."""
+    size: int
+    """The bucket's elements: the head of ``sent`` that goes back to DDP."""
+    carries_rows: bool
+    measured: bool
+    """Mark when it is done and take |g|^2 of the result."""
+    work: dist.Work
+    last: bool
+    """DDP's last bucket: DDP launches its buckets in index order, so nothing follows."""
+    result: torch.futures.Future[torch.Tensor] = field(init=False)
+    """What DDP waits on."""
+
+
+class _Finisher:
+    """Completes one backward's all-reduces on a thread of its own, in launch order.
+
+    For each bucket it waits for the all-reduce, marks when it was done, takes |g|^2 of the
+    reduced bucket, picks out the exchange rows and completes the future DDP waits on; a
+    failed all-reduce completes it (and every later one) with an error naming the rank.
+    All of it happens before DDP copies the result into the gradients, so nothing the user
+    does after the backward (AMP's unscaling) can race it. The thread ends after DDP's last
+    bucket, and it is not a daemon: the interpreter joins it before finalising (the module
+    docstring says why no callback runs on the backend's own thread).
+    """
+
+    POLL_S = 0.1
+    """How often the thread, waiting for the next bucket, checks that the main thread is
+    alive: a backward that raised part-way sends no more buckets."""
+
+    def __init__(self, state: CommState, device: torch.device) -> None:
+        self.state = state
+        self.closed = False
+        """No more buckets come to this backward (its last came, or it was abandoned)."""
+        self._queue: queue.SimpleQueue[_Reduction | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._stream = state.side_stream(device)
+        self._devices = None if self._stream is None else [device]
+        threading.Thread(target=self._run, name="cannikin-allreduce", daemon=False).start()
+
+    def add(self, reduction: _Reduction) -> torch.futures.Future[torch.Tensor]:
+        """Queue ``reduction``; the future DDP waits on for it."""
+        reduction.result = torch.futures.Future(devices=self._devices)
+        self.closed = reduction.last
+        with self._lock:
+            if self._error is None:
+                self._queue.put(reduction)
+                return reduction.result
+        reduction.result.set_exception(self._error)
+        return reduction.result
+
+    def abandon(self) -> None:
+        """Stop waiting for buckets that will not come (the backward stopped part-way)."""
+        self.closed = True
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        reduction = None
         try:
-            reduced = fut.value()[0]
+            while (reduction := self._next()) is not None:
+                self._finish(reduction)
+                if reduction.last:
+                    return
+        except BaseException as error:  # no future may be left waiting: DDP would hang
+            self._fail(error, reduction)
+
+    def _next(self) -> _Reduction | None:
+        main = threading.main_thread()
+        while True:
+            try:
+                return self._queue.get(timeout=self.POLL_S)
+            except queue.Empty:
+                if not main.is_alive():
+                    return None
+
+    def _fail(self, error: BaseException, current: _Reduction | None) -> None:
+        with self._lock:
+            self._error = error
+            waiting = [current] if current is not None else []
+            while not self._queue.empty():
+                item = self._queue.get()
+                if item is not None:
+                    waiting.append(item)
+        for reduction in waiting:
+            if not reduction.result.done():
+                reduction.result.set_exception(error)
+
+    def _finish(self, reduction: _Reduction) -> None:
+        if self._stream is None:
+            self._complete(reduction)
+            return
+        with torch.cuda.stream(self._stream):  # waits for the collective, not the backward
+            self._complete(reduction)
+
+    def _complete(self, reduction: _Reduction) -> None:
+        state = self.state
+        try:
+            reduction.work.wait()
         except RuntimeError as error:  # gloo/nccl: the process group's timeout ran out
             raise RuntimeError(
                 f"rank {dist.get_rank(state.group)} of {dist.get_world_size(state.group)}: "
                 f"gradient all-reduce failed (a peer worker may be hung or dead; the wait is "
                 f"bounded by init_distributed's timeout_s): {error}") from error
-        if payload is not None:
-            state.rows_tail = reduced[size:]
-            reduced = reduced[:size]
-        if capture:
-            state._add_global(bucket, reduced)
-        return reduced
+        if reduction.measured:
+            state.done[reduction.slot] = state.clock.mark()
+        reduced = reduction.sent[:reduction.size]
+        if reduction.carries_rows:
+            state.rows_tail = reduction.sent[reduction.size:]
+        if reduction.measured:
+            state._add_global(reduction.bucket, reduced)
+        reduction.result.set_result(reduced)
 
-    result: torch.futures.Future[torch.Tensor] = future.then(finish)
-    return result
+
+_BACKWARD_CONTEXT = "context"
+"""The key under which torch's ``_engine_run_backward`` keeps a ``contextvars.Context`` in
+the thread-local state for the whole backward (torch 2.13 does; older ones may not)."""
+
+
+@contextlib.contextmanager
+def _backward_context_unstashed() -> Iterator[None]:
+    """Launch a collective without the Python object torch keeps in the backward's
+    thread-local state. A collective copies the launching thread's thread-local state
+    into its work; the backend thread that destroys the finished work then drops that
+    Python object, which takes the GIL: after interpreter finalisation has begun, that
+    ends the backend thread inside a noexcept destructor and aborts the process (seen
+    here in 5 of 40 workers that exited right after a backward, on torch 2.13)."""
+    if not (hasattr(torch._C, "_is_key_in_tls")
+            and torch._C._is_key_in_tls(_BACKWARD_CONTEXT)):
+        yield
+        return
+    context = torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
+    torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT)
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)
 
 
 def _sqnorm(flat: torch.Tensor) -> torch.Tensor:
