@@ -115,7 +115,7 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
         if hooked and state.capture_sqnorm and split[rank] > 0:
             ref.zero_grad(set_to_none=False)
             F.cross_entropy(ref(xs), ys).backward()  # this rank's local mean gradient
-            sqnorm_err = max(sqnorm_err, _relative(state.local_sqnorm(), _sqnorm(ref)))
+            sqnorm_err = max(sqnorm_err, _relative(state.sqnorms()[0], _sqnorm(ref)))
         ref.zero_grad(set_to_none=False)
         if per_chunk_reference:  # BatchNorm statistics of each worker's own chunk
             bounds = [sum(split[:i]) for i in range(len(split) + 1)]
@@ -131,11 +131,11 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
         scale = max(float(q.abs().max()) for _, q in pairs)
         worst = max(worst, max(float((p - q).abs().max()) for p, q in pairs) / scale)
         if hooked and state.capture_sqnorm:
-            measured = state.global_sqnorm()
+            measured = state.sqnorms()[1]
             assert measured is not None, "the hook did not take |g|^2"
             sqnorm_err = max(sqnorm_err, _relative(measured, _sqnorm(ref)))
         elif hooked:
-            assert state.local_sqnorm() == 0.0 and state.global_sqnorm() is None
+            assert state.sqnorms() == (0.0, None)
     figures = {"rel_err": worst, "sqnorm_err": sqnorm_err}
     if exchange is None:
         return figures

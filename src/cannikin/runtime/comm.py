@@ -128,15 +128,16 @@ class CommState:
             return None
         return decode_rows(self.rows_tail.cpu().numpy()).reshape(self.rows.shape)
 
-    def local_sqnorm(self) -> float:
-        """|g_i|^2 of this step's local gradient (0.0 if no bucket was seen)."""
-        return float(sum(float(t) for t in self.local_parts))
-
-    def global_sqnorm(self) -> float | None:
-        """|g|^2 of the all-reduced gradient, if the hook measured it this step."""
-        if not self.capture_sqnorm or not self.global_parts:
-            return None
-        return float(sum(float(t) for t in self.global_parts))
+    def sqnorms(self) -> tuple[float, float | None]:
+        """|g_i|^2 of this step's local gradient (0.0 if no bucket was seen) and |g|^2 of
+        the all-reduced one (None if the hook did not measure it), read in one transfer:
+        on a GPU one host synchronisation, not one per part (with Adam a part is a
+        parameter)."""
+        measured = self.capture_sqnorm and bool(self.global_parts)
+        groups = [self.local_parts, self.global_parts if measured else []]
+        device = next((part.device for group in groups for part in group), torch.device("cpu"))
+        local, global_ = torch.stack([_total(group, device) for group in groups]).tolist()
+        return float(local), float(global_) if measured else None
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """A CUDA stream of this state's own on ``device`` (None on CPU): the all-reduces
@@ -384,6 +385,15 @@ def _backward_context_unstashed() -> Iterator[None]:
         yield
     finally:
         torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)
+
+
+def _total(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of 0-dim ``parts`` as a 0-dim float64 tensor, without reading any of them."""
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    if len({part.dtype for part in parts}) > 1:
+        parts = [part.double() for part in parts]
+    return torch.stack(parts).sum(dtype=torch.float64)
 
 
 def _sqnorm(flat: torch.Tensor) -> torch.Tensor:

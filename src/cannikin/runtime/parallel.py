@@ -299,7 +299,7 @@ class HeteroDataParallel(nn.Module):
                        **_map_batched(kwargs, lambda t: t[:2]))
         return _map_batched(out, lambda t: t[:1].expand(batch, *t.shape[1:]))
 
-    def _measure(self, step_s: float) -> StepReport:
+    def _measure(self, step_s: float, local_sqnorm: float) -> StepReport:
         """This rank's measurements of the step just finished (its period ``step_s``)."""
         clock, comm = self.clock, self.comm
         prev = self._prev_mark
@@ -320,7 +320,7 @@ class HeteroDataParallel(nn.Module):
         if len(allreduce) != len(fractions):
             fractions, allreduce = [], []
         report = StepReport(batch=self._split[self.rank] if self._split else 0,
-                            sqnorm=comm.local_sqnorm(), fwd_s=start, bwd_s=bwd, step_s=step_s,
+                            sqnorm=local_sqnorm, fwd_s=start, bwd_s=bwd, step_s=step_s,
                             ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce))
         return report
 
@@ -342,10 +342,9 @@ class HeteroDataParallel(nn.Module):
             rows = alone.cpu().numpy()
         return [WorkerReport.from_vector(row) for row in rows.tolist()]
 
-    def _global_sqnorm(self) -> float:
+    def _global_sqnorm(self, measured: float | None) -> float:
         """|g|^2 of the all-reduced gradient, in the noise scale's space: as the hook took
-        it, or from the gradients if no bucket reached the hook this step."""
-        measured = self.comm.global_sqnorm()
+        it (``measured``), or from the gradients if no bucket reached the hook this step."""
         if measured is not None:
             return measured
         total = 0.0
@@ -361,8 +360,11 @@ class HeteroDataParallel(nn.Module):
             return  # a step outside HeteroDataLoader's iteration: plain DDP semantics
         end = self.clock.mark()
         step_s = self.clock.elapsed(self._prev_mark, end)
-        report = self._measure(step_s) if self._measuring else None
-        global_sqnorm = self._global_sqnorm() if self._measuring else None
+        report = global_sqnorm = None
+        if self._measuring:
+            local_sqnorm, measured_sqnorm = self.comm.sqnorms()
+            report = self._measure(step_s, local_sqnorm)
+            global_sqnorm = self._global_sqnorm(measured_sqnorm)
         reports = self._exchange()
         planned = tuple(r.batch for r in reports)
         if planned != self._split:
