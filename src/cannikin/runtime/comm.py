@@ -28,8 +28,8 @@ DDP waits on *before* it destroys the callback), and the ``contextvars.Context``
 keeps in the backward's thread-local state, which every collective launched from the
 backward copies into its work (:func:`_backward_context_unstashed`). So the hook launches
 its all-reduces without that context and hands DDP a future of its own, which a
-:class:`_Finisher` thread completes: one per backward, a plain non-daemon Python thread,
-which the interpreter joins before it finalises.
+:class:`_Finisher` thread completes: a plain non-daemon Python thread, which the
+interpreter joins before it finalises.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook signature at run time.
@@ -37,6 +37,7 @@ which the interpreter joins before it finalises.
 import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +90,7 @@ class CommState:
     of a bucket's size costs page faults on every step); DDP has copied the reduced head
     into the gradients before the next backward writes it again."""
     finisher: "_Finisher | None" = None
-    """This backward's all-reduces in flight (started by its first bucket)."""
+    """Completes the all-reduces in flight (made at the first bucket: it needs the device)."""
     stream: torch.cuda.Stream | None = None
     """See :meth:`side_stream`."""
 
@@ -102,9 +103,6 @@ class CommState:
         if not 0.0 <= weight <= 1.0:
             raise ValueError(f"weight must be b_i/B in [0, 1], got {weight}")
         self.weight = weight
-        if self.finisher is not None:
-            self.finisher.abandon()  # a backward that stopped part-way leaves it waiting
-            self.finisher = None
         if self.sizes:
             self.carrier_slot = min(range(len(self.sizes)), key=self.sizes.__getitem__)
         self.sizes = []
@@ -235,11 +233,11 @@ def weighted_allreduce_hook(
             alone = torch.from_numpy(rows).to(buffer.device)
             state.rows_alone = (alone, dist.all_reduce(alone, group=state.group,
                                                        async_op=True))
-    if state.finisher is None or state.finisher.closed:
+    if state.finisher is None:
         state.finisher = _Finisher(state, buffer.device)
     return state.finisher.add(_Reduction(
         slot=slot, bucket=bucket, sent=send, size=size, carries_rows=payload is not None,
-        measured=state.capture_sqnorm, work=work, last=bucket.is_last()))
+        measured=state.capture_sqnorm, work=work))
 
 
 @dataclass(kw_only=True)
@@ -256,95 +254,69 @@ class _Reduction:
     measured: bool
     """Mark when it is done and take |g|^2 of the result."""
     work: dist.Work
-    last: bool
-    """DDP's last bucket: DDP launches its buckets in index order, so nothing follows."""
     result: torch.futures.Future[torch.Tensor] = field(init=False)
     """What DDP waits on."""
 
 
 class _Finisher:
-    """Completes one backward's all-reduces on a thread of its own, in launch order.
+    """Completes the hook's all-reduces on a thread of its own, in launch order.
 
     For each bucket it waits for the all-reduce, marks when it was done, takes |g|^2 of the
-    reduced bucket, picks out the exchange rows and completes the future DDP waits on; a
-    failed all-reduce completes it (and every later one) with an error naming the rank.
-    All of it happens before DDP copies the result into the gradients, so nothing the user
-    does after the backward (AMP's unscaling) can race it. The thread ends after DDP's last
-    bucket, and it is not a daemon: the interpreter joins it before finalising (the module
-    docstring says why no callback runs on the backend's own thread).
+    reduced bucket, picks out the exchange rows and completes the future DDP waits on (a
+    failed all-reduce completes it with an error naming the rank). All of it happens before
+    DDP copies the result into the gradients, so nothing the user does after the backward
+    (AMP's unscaling) can race it. One thread per wrapped model, kept from step to step:
+    starting one per backward cost ~5 ms of wall time per step on a worker held to a
+    quarter of a core. It is not a daemon, so the interpreter joins it before finalising
+    (the module docstring says why no callback runs on the backend's own thread), and it
+    ends once the main thread has ended or the state is gone.
     """
 
     POLL_S = 0.1
-    """How often the thread, waiting for the next bucket, checks that the main thread is
-    alive: a backward that raised part-way sends no more buckets."""
+    """How often the idle thread checks that the main thread and the state still live: the
+    longest it can delay the end of the interpreter."""
 
     def __init__(self, state: CommState, device: torch.device) -> None:
-        self.state = state
-        self.closed = False
-        """No more buckets come to this backward (its last came, or it was abandoned)."""
-        self._queue: queue.SimpleQueue[_Reduction | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
+        self._state = weakref.ref(state)
+        self._queue: queue.SimpleQueue[_Reduction] = queue.SimpleQueue()
         self._stream = state.side_stream(device)
         self._devices = None if self._stream is None else [device]
-        threading.Thread(target=self._run, name="cannikin-allreduce", daemon=False).start()
+        self._thread: threading.Thread | None = None
 
     def add(self, reduction: _Reduction) -> torch.futures.Future[torch.Tensor]:
         """Queue ``reduction``; the future DDP waits on for it."""
         reduction.result = torch.futures.Future(devices=self._devices)
-        self.closed = reduction.last
-        with self._lock:
-            if self._error is None:
-                self._queue.put(reduction)
-                return reduction.result
-        reduction.result.set_exception(self._error)
+        if self._thread is None or not self._thread.is_alive():  # first use, or forked
+            self._thread = threading.Thread(target=self._run, name="cannikin-allreduce",
+                                            daemon=False)
+            self._thread.start()
+        self._queue.put(reduction)
         return reduction.result
 
-    def abandon(self) -> None:
-        """Stop waiting for buckets that will not come (the backward stopped part-way)."""
-        self.closed = True
-        self._queue.put(None)
-
     def _run(self) -> None:
-        reduction = None
-        try:
-            while (reduction := self._next()) is not None:
-                self._finish(reduction)
-                if reduction.last:
-                    return
-        except BaseException as error:  # no future may be left waiting: DDP would hang
-            self._fail(error, reduction)
-
-    def _next(self) -> _Reduction | None:
         main = threading.main_thread()
         while True:
             try:
-                return self._queue.get(timeout=self.POLL_S)
+                reduction = self._queue.get(timeout=self.POLL_S)
             except queue.Empty:
-                if not main.is_alive():
-                    return None
-
-    def _fail(self, error: BaseException, current: _Reduction | None) -> None:
-        with self._lock:
-            self._error = error
-            waiting = [current] if current is not None else []
-            while not self._queue.empty():
-                item = self._queue.get()
-                if item is not None:
-                    waiting.append(item)
-        for reduction in waiting:
-            if not reduction.result.done():
+                if not main.is_alive() or self._state() is None:
+                    return
+                continue
+            state = self._state()
+            try:
+                if state is None:
+                    raise RuntimeError("the all-reduce hook's state is gone")
+                if self._stream is None:
+                    self._complete(state, reduction)
+                else:
+                    with torch.cuda.stream(self._stream):  # waits for the collective only
+                        self._complete(state, reduction)
+            except BaseException as error:  # every future must complete: DDP waits on it
                 reduction.result.set_exception(error)
+            del state, reduction
 
-    def _finish(self, reduction: _Reduction) -> None:
-        if self._stream is None:
-            self._complete(reduction)
-            return
-        with torch.cuda.stream(self._stream):  # waits for the collective, not the backward
-            self._complete(reduction)
-
-    def _complete(self, reduction: _Reduction) -> None:
-        state = self.state
+    @staticmethod
+    def _complete(state: CommState, reduction: _Reduction) -> None:
         try:
             reduction.work.wait()
         except RuntimeError as error:  # gloo/nccl: the process group's timeout ran out
