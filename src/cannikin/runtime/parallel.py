@@ -26,6 +26,7 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -56,6 +57,36 @@ SLOWDOWN_ENV = "CANNIKIN_SLOWDOWN"
 DEFAULT_SLOWDOWN_PROFILE = (0.004, 0.0004)
 """Emulated reference forward: 4 ms + 0.4 ms per sample (a small MLP on this machine)."""
 _STATE_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class _Cycle:
+    """What HeteroDataParallel carries from step to step, in a plain object: an assignment
+    to an nn.Module attribute costs ~25 us (its __setattr__ checks for parameters, buffers
+    and submodules), and the dozen of them a step were ~0.4 ms of CPU per step."""
+
+    step: int = 0
+    """Optimizer steps taken through the loader."""
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+    split: tuple[int, ...] | None = None
+    """This step's local batches."""
+    previous: StepReport | None = None
+    """This rank's last finished step (the next exchange carries it)."""
+    previous_global_sqnorm: float | None = None
+    prev_mark: Any = None
+    """The clock's mark at the end of the previous step: where this step's cycle starts."""
+    bwd_start: Any = None
+    oom: bool = False
+    stepping: bool = False
+    """Between the loader handing out a step and its optimizer step."""
+    measuring: bool = True
+    """This step's timings and gradient norms go to the planner."""
+    interrupted: bool = False
+    """A forward ran between steps (an evaluation)."""
+    scaled: bool = False
+    """The LR factor is applied for this step."""
+    preconditioned: bool | None = None
+    """Adam is past its warm-up; None: not seen yet."""
 
 
 class MetricsSink(Protocol):
@@ -147,19 +178,7 @@ class HeteroDataParallel(nn.Module):
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
             max_local=hi, caps=caps, names=names), log_plans=self.rank == 0)
         self.scaler = LRScaler(optimizer, lr_scaling, init_batch=loader.batch_size)
-        self.step = 0
-        self.last_metrics: dict[str, Any] = {}
-        self._split: tuple[int, ...] | None = None
-        self._previous: StepReport | None = None  # this rank's last finished step
-        self._previous_global_sqnorm: float | None = None
-        self._prev_mark: Any = None
-        self._bwd_start: Any = None
-        self._oom = False
-        self._stepping = False
-        self._measuring = True  # this step's timings and gradient norms go to the planner
-        self._interrupted = False  # a forward ran between steps (an evaluation)
-        self._scaled = False
-        self._preconditioned: bool | None = None  # Adam past its warm-up; None: not yet seen
+        self._cycle = _Cycle()
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
         loader.attach(self, self.rank, self.world_size)
@@ -198,6 +217,16 @@ class HeteroDataParallel(nn.Module):
         return tuple(g[0] for g in gathered), tuple(g[1] for g in gathered)
 
     # -- exposed state ---------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken through the loader (restored by a resume)."""
+        return self._cycle.step
+
+    @property
+    def last_metrics(self) -> dict[str, Any]:
+        """What the metrics sink got for the last step."""
+        return self._cycle.last_metrics
+
     @property
     def module(self) -> nn.Module:
         """The user's model (save its state_dict)."""
@@ -238,44 +267,46 @@ class HeteroDataParallel(nn.Module):
     # -- the step ----------------------------------------------------------------------------------
     def begin_step(self, split: tuple[int, ...]) -> None:
         """The loader hands out this step's split: set the weight, reset the records."""
+        cycle = self._cycle
         total = sum(split)
-        self._split = split
+        cycle.split = split
         # a forward between two steps (an evaluation), or a step that never reached the
         # optimizer (AMP's GradScaler skips the update when a gradient overflowed) lies
         # inside this step's cycle, which runs from the previous backward: this rank does
         # not measure it, and the planner skips a step some rank did not measure
-        interrupted = self._interrupted or self._stepping
-        self._measuring = self.planner.measures(self.step) and not interrupted
-        self._interrupted = False
+        interrupted = cycle.interrupted or cycle.stepping
+        cycle.measuring = self.planner.measures(cycle.step) and not interrupted
+        cycle.interrupted = False
         self.comm.begin_step(split[self.rank] / total)
-        self.comm.capture_sqnorm = self._measuring
-        self._bwd_start = None
-        self._oom = False
-        self._stepping = True
-        if self._prev_mark is None:
-            self._prev_mark = self.clock.mark()
+        self.comm.capture_sqnorm = cycle.measuring
+        cycle.bwd_start = None
+        cycle.oom = False
+        cycle.stepping = True
+        if cycle.prev_mark is None:
+            cycle.prev_mark = self.clock.mark()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._stepping:
-            self._interrupted = True
+        cycle = self._cycle
+        if not cycle.stepping:
+            cycle.interrupted = True
         try:
             out = self.ddp(*args, **kwargs)
         except torch.cuda.OutOfMemoryError:
-            if not (self._stepping and torch.is_grad_enabled()):
+            if not (cycle.stepping and torch.is_grad_enabled()):
                 raise
             out = self._placeholder_after_oom(args, kwargs)
-        if (self._stepping and self._measuring and torch.is_grad_enabled()
-                and self._bwd_start is None):
+        if (cycle.stepping and cycle.measuring and torch.is_grad_enabled()
+                and cycle.bwd_start is None):
             tensor = _first_grad_tensor(out)
             if tensor is not None:
                 tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
-        if self._stepping and self.comm.rows is None:
+        if cycle.stepping and self.comm.rows is None:
             self.comm.rows = self._exchange_rows()  # sent with a gradient bucket
         return out
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
-        if self._bwd_start is None:
-            self._bwd_start = self.clock.mark()
+        if self._cycle.bwd_start is None:
+            self._cycle.bwd_start = self.clock.mark()
 
     def _placeholder_after_oom(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Out of memory in forward: run two samples so every collective still lines up.
@@ -288,12 +319,13 @@ class HeteroDataParallel(nn.Module):
         failed, so the placeholder's forward must not broadcast them again: the peers
         would pair that broadcast with a gradient bucket's all-reduce and hang.
         """
+        cycle = self._cycle
         logger.warning("rank %d: out of memory in forward at local batch %s", self.rank,
-                       None if self._split is None else self._split[self.rank])
-        self._oom = True
+                       None if cycle.split is None else cycle.split[self.rank])
+        cycle.oom = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        batch = 0 if self._split is None else self._split[self.rank]
+        batch = 0 if cycle.split is None else cycle.split[self.rank]
         self.ddp.require_forward_param_sync = False  # DDP's own forward sets it again
         out = self.ddp(*_map_batched(args, lambda t: t[:2]),
                        **_map_batched(kwargs, lambda t: t[:2]))
@@ -301,12 +333,13 @@ class HeteroDataParallel(nn.Module):
 
     def _measure(self, step_s: float, local_sqnorm: float) -> StepReport:
         """This rank's measurements of the step just finished (its period ``step_s``)."""
+        cycle = self._cycle
         clock, comm = self.clock, self.comm
-        prev = self._prev_mark
+        prev = cycle.prev_mark
         ready = [clock.elapsed(prev, m) for m in comm.ready]
         done = [clock.elapsed(prev, m) for m in comm.done if m is not None]
-        if self._bwd_start is not None:
-            start = clock.elapsed(prev, self._bwd_start)
+        if cycle.bwd_start is not None:
+            start = clock.elapsed(prev, cycle.bwd_start)
         else:  # no output hook fired (e.g. a loss not built from the output): first bucket
             start = ready[0] if ready else step_s
         last = ready[-1] if ready else start
@@ -319,7 +352,7 @@ class HeteroDataParallel(nn.Module):
             previous_done = d
         if len(allreduce) != len(fractions):
             fractions, allreduce = [], []
-        report = StepReport(batch=self._split[self.rank] if self._split else 0,
+        report = StepReport(batch=cycle.split[self.rank] if cycle.split else 0,
                             sqnorm=local_sqnorm, fwd_s=start, bwd_s=bwd, step_s=step_s,
                             ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce))
         return report
@@ -328,8 +361,8 @@ class HeteroDataParallel(nn.Module):
         """The per-step exchange: this rank's row (this step's batch and OOM flag, the
         previous step's measurements), zeros elsewhere; summed over ranks it is every
         rank's row, an all-gather in one all-reduce."""
-        report = WorkerReport(batch=self._split[self.rank] if self._split else 0,
-                              oom=self._oom, previous=self._previous)
+        report = WorkerReport(batch=self._cycle.split[self.rank] if self._cycle.split else 0,
+                              oom=self._cycle.oom, previous=self._cycle.previous)
         rows = np.zeros((self.world_size, REPORT_SIZE))
         rows[self.rank] = report.to_vector()
         return rows
@@ -356,44 +389,45 @@ class HeteroDataParallel(nn.Module):
         return total
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._stepping or self._split is None:
+        cycle = self._cycle
+        if not cycle.stepping or cycle.split is None:
             return  # a step outside HeteroDataLoader's iteration: plain DDP semantics
         end = self.clock.mark()
-        step_s = self.clock.elapsed(self._prev_mark, end)
+        step_s = self.clock.elapsed(cycle.prev_mark, end)
         report = global_sqnorm = None
-        if self._measuring:
+        if cycle.measuring:
             local_sqnorm, measured_sqnorm = self.comm.sqnorms()
             report = self._measure(step_s, local_sqnorm)
             global_sqnorm = self._global_sqnorm(measured_sqnorm)
         reports = self._exchange()
         planned = tuple(r.batch for r in reports)
-        if planned != self._split:
-            raise RuntimeError(f"rank {self.rank} planned split {list(self._split)} but the "
+        if planned != cycle.split:
+            raise RuntimeError(f"rank {self.rank} planned split {list(cycle.split)} but the "
                                f"workers ran {list(planned)}: the ranks' plans diverged")
-        self._prev_mark = end
-        self._scaled = False
+        cycle.prev_mark = end
+        cycle.scaled = False
         if any(r.oom for r in reports):
-            self._previous = None  # an out-of-memory step's measurements say nothing
+            cycle.previous = None  # an out-of-memory step's measurements say nothing
             self._skip_step_after_oom(reports)
             return
-        predicted = self.planner.predicted(self._split)
-        self.planner.observe(self.step, reports, self._previous_global_sqnorm)
+        predicted = self.planner.predicted(cycle.split)
+        self.planner.observe(cycle.step, reports, cycle.previous_global_sqnorm)
         self._follow_preconditioner()
-        self._previous, self._previous_global_sqnorm = report, global_sqnorm
+        cycle.previous, cycle.previous_global_sqnorm = report, global_sqnorm
         noise = self.planner.noise
-        total = sum(self._split)
+        total = sum(cycle.split)
         factor = self.scaler.step_begin(total, noise.grad_sqr, noise.grad_var)
-        self._scaled = True
-        self.last_metrics = {
-            "step": self.step, "epoch": self.loader.epoch, "local_batches": list(self._split),
+        cycle.scaled = True
+        cycle.last_metrics = {
+            "step": cycle.step, "epoch": self.loader.epoch, "local_batches": list(cycle.split),
             "total_batch": total, "step_time_s": step_s,
             "predicted_step_time_s": predicted, "lr_factor": factor,
             "noise_scale": noise.noise_scale(), "measured": report is not None,
             "fwd_s": None if report is None else report.fwd_s,
             "bwd_s": None if report is None else report.bwd_s, "trained": total,
         }
-        if self.planner.due(self.step):
-            self.planner.replan(self.step)
+        if self.planner.due(cycle.step):
+            self.planner.replan(cycle.step)
 
     def _follow_preconditioner(self) -> None:
         """When Adam's preconditioning starts (after its warm-up), this step's norms are the
@@ -401,43 +435,45 @@ class HeteroDataParallel(nn.Module):
         it has seen by now (the exchange is one step late). Every rank's optimizer state
         has the same step counts, so every rank resets at the same step; a run resumed past
         the warm-up keeps its restored noise scale."""
-        if not self.precondition.adaptive or self._preconditioned:
+        cycle = self._cycle
+        if not self.precondition.adaptive or cycle.preconditioned:
             return
         active = self.precondition.active
-        if active and self._preconditioned is False:
+        if active and cycle.preconditioned is False:
             logger.info("step %d: Adam's preconditioning starts; the noise scale starts over",
-                        self.step)
+                        cycle.step)
             self.planner.noise.reset()
-        self._preconditioned = active
+        cycle.preconditioned = active
 
     def _skip_step_after_oom(self, reports: Sequence[WorkerReport]) -> None:
         for rank, r in enumerate(reports):
             if r.oom:
                 self.planner.lower_cap(rank, r.batch)
-        self.planner.replan(self.step, "out of memory")
+        self.planner.replan(self._cycle.step, "out of memory")
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None  # optimizers skip parameters without a gradient
         self.loader.rewind()
-        self.last_metrics = {"step": self.step, "skipped": "out of memory",
+        self._cycle.last_metrics = {"step": self._cycle.step, "skipped": "out of memory",
                              "local_batches": [r.batch for r in reports],
                              "total_batch": sum(r.batch for r in reports), "trained": 0}
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._stepping:
+        cycle = self._cycle
+        if not cycle.stepping:
             return
-        self._stepping = False
-        if not self._scaled:
+        cycle.stepping = False
+        if not cycle.scaled:
             return  # skipped step (out of memory): retried with the new split
         self.scaler.step_end()
         if self.rank == 0 and self.metrics is not None:
-            self.metrics.log(dict(self.last_metrics), self.step)
-        self.step += 1
+            self.metrics.log(dict(cycle.last_metrics), cycle.step)
+        cycle.step += 1
 
     # -- checkpoint state ----------------------------------------------------------------------
     def runtime_state_dict(self) -> dict[str, Any]:
         """Planner (fitted models, total batch, noise scale), LR scaler, step: plain numbers."""
-        return {"version": _STATE_VERSION, "step": self.step,
+        return {"version": _STATE_VERSION, "step": self._cycle.step,
                 "planner": self.planner.state_dict(), "lr_scaler": self.scaler.state_dict()}
 
     def load_runtime_state_dict(self, state: dict[str, Any]) -> None:
@@ -446,10 +482,10 @@ class HeteroDataParallel(nn.Module):
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"runtime state version {state.get('version')!r} is not supported "
                              f"(expected {_STATE_VERSION})")
-        self.step = int(state["step"])
+        self._cycle.step = int(state["step"])
         self.planner.load_state_dict(state["planner"])
         self.scaler.load_state_dict(state["lr_scaler"])
-        self._prev_mark = None  # the first step after a resume must not time the load
+        self._cycle.prev_mark = None  # the first step after a resume must not time the load
 
     def training_state_dict(self) -> dict[str, Any]:
         """Everything this rank's job needs to resume: the model's and optimizer's state
@@ -473,14 +509,15 @@ class HeteroDataParallel(nn.Module):
         """This rank's own part of a checkpoint: the last step's measurements, which the
         per-step exchange carries only with the next step. Restored on a resume with the
         same workers, the planner and the noise scale see every step as without a restart."""
-        return {"previous": None if self._previous is None else self._previous.to_vector(),
-                "previous_global_sqnorm": self._previous_global_sqnorm}
+        cycle = self._cycle
+        return {"previous": None if cycle.previous is None else cycle.previous.to_vector(),
+                "previous_global_sqnorm": cycle.previous_global_sqnorm}
 
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's :meth:`rank_state_dict` (only with the world size that saved it)."""
         previous = state["previous"]
-        self._previous = None if previous is None else StepReport.from_vector(previous)
-        self._previous_global_sqnorm = state["previous_global_sqnorm"]
+        self._cycle.previous = None if previous is None else StepReport.from_vector(previous)
+        self._cycle.previous_global_sqnorm = state["previous_global_sqnorm"]
 
     def remove_hooks(self) -> None:
         """Detach from the optimizer and remove the emulation (the model stays wrapped)."""
