@@ -21,7 +21,7 @@ from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
-          "adam_noise_reset", "amp"]
+          "adam_noise_reset", "amp", "ddp_habits"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -196,3 +196,15 @@ def test_an_overflowed_step_is_skipped_and_the_next_is_not_measured(
     assert got["skipped"] == [3, 12] and got["finite"]
     assert got["unmeasured"] == [4, 13]  # its cycle runs from step 2's (11's) backward
     assert got["noise_scale"] is not None and 0 < got["noise_scale"] < 1e6
+
+
+def test_ddp_habits_work_as_with_ddp(figures: dict[str, Any]) -> None:
+    habits = figures["ddp_habits"]
+    assert habits["peeked"] > 0
+    # the peeked samples came again: both epochs use every sample exactly once
+    assert habits["epochs"] == [list(range(90))] * 2
+    assert habits["epoch_after"] == 2  # set_epoch(e) in the epoch loop skips no epoch
+    # a step on the script's own tensors averages the ranks' gradients, as DDP does (it used
+    # to sum them: 3x the DDP gradient on 3 workers)
+    assert habits["outside_rel_err"] < 1e-5
+    assert "no_sync() would" in habits["no_sync"]

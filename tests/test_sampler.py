@@ -149,3 +149,31 @@ def test_state_missing_keys_is_refused() -> None:
     with pytest.raises(ValueError, match=r"lacks \['position'\]"):
         UnevenSampler(5).load_state_dict({"version": 1, "num_samples": 5, "seed": 0, "epoch": 0})
 
+
+
+def test_set_epoch_keeps_the_epoch_in_progress() -> None:
+    # the usual DDP loop calls set_epoch(e) before each epoch: after epoch 0 ended the
+    # sampler is already at epoch 1, and a resumed epoch keeps its position
+    sampler = UnevenSampler(10, seed=1)
+    sampler.take([3, 2], 0)
+    sampler.set_epoch(0)
+    assert (sampler.epoch, sampler.position) == (0, 5)
+    sampler.new_epoch()
+    sampler.set_epoch(1)
+    assert (sampler.epoch, sampler.position) == (1, 0)
+
+
+def test_set_epoch_to_another_epoch_starts_it() -> None:
+    sampler = UnevenSampler(10, seed=1)
+    sampler.take([3, 2], 0)
+    sampler.set_epoch(4)
+    fresh = UnevenSampler(10, seed=1)
+    for _ in range(4):
+        fresh.new_epoch()
+    assert (sampler.epoch, sampler.position) == (4, 0)
+    assert sampler.permutation().tolist() == fresh.permutation().tolist()
+
+
+def test_set_epoch_rejects_a_negative_epoch() -> None:
+    with pytest.raises(ValueError, match="epoch"):
+        UnevenSampler(10, seed=1).set_epoch(-1)

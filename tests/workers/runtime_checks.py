@@ -497,6 +497,52 @@ def check_amp() -> dict[str, Any]:
     return runs
 
 
+def check_ddp_habits() -> dict[str, Any]:
+    """Habits of a DDP script: a step on the script's own tensors, a peek at the loader,
+    ``set_epoch`` in the epoch loop, ``no_sync()``."""
+    data = _blobs(90)
+    net = _classifier()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = HeteroDataLoader(data, batch_size=30, seed=5)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
+                               max_local_batch=[4] + [None] * (dist.get_world_size() - 1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peeked = len(next(iter(loader))[0])  # a peek: its samples must come again
+    epochs: list[list[int]] = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        seen: list[int] = []
+        for x, y, idx in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            seen += idx.tolist()
+        epochs.append(_all_indices(seen))
+    epoch_after = loader.epoch
+    # a step on this rank's own tensors, outside the loader (after an uneven split): DDP's
+    # mean of the ranks' gradients, one backward of the mean of their mean losses here
+    def own(r: int) -> slice:
+        return slice(r * 7, r * 7 + 7)
+    x, y = data.tensors[0][own(rank)], data.tensors[1][own(rank)]
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    ref.load_state_dict(model.module.state_dict())
+    sum(F.cross_entropy(ref(data.tensors[0][own(r)]), data.tensors[1][own(r)])
+        for r in range(world)).div(world).backward()
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+    worst = max(float((p.grad - q.grad).abs().max())
+                for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
+    try:
+        model.no_sync()
+        no_sync = "allowed"
+    except RuntimeError as error:
+        no_sync = str(error)
+    model.remove_hooks()
+    return {"peeked": peeked, "epochs": epochs, "epoch_after": epoch_after,
+            "outside_rel_err": worst, "no_sync": no_sync}
+
+
 CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     name.removeprefix("check_"): fn for name, fn in globals().items()
     if name.startswith("check_") and callable(fn)

@@ -33,6 +33,11 @@ class StepController(Protocol):
 
     def begin_step(self, split: tuple[int, ...]) -> None: ...
 
+    def abandon_step(self) -> bool:
+        """Forget a step handed out that never reached its optimizer step; whether there
+        was one."""
+        ...
+
 
 @dataclass
 class _EvenSplit:
@@ -51,6 +56,10 @@ class _EvenSplit:
 
     def begin_step(self, split: tuple[int, ...]) -> None:
         """Nothing to prepare."""
+
+    def abandon_step(self) -> bool:
+        """Without a training step to watch, every step counts as taken."""
+        return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +156,15 @@ class HeteroDataLoader:
         left = self.sampler.remaining()
         return left // total if self.sampler.drop_last else -(-left // total)
 
+    def set_epoch(self, epoch: int) -> None:
+        """DistributedSampler's ``set_epoch`` (see :meth:`UnevenSampler.set_epoch`)."""
+        self.sampler.set_epoch(epoch)
+
     def __iter__(self) -> Iterator[Batch]:
+        # a batch taken by an iteration that was dropped before its optimizer step (a peek:
+        # ``next(iter(loader))``) comes again, so no sample of the epoch is lost
+        if self.controller.abandon_step() and self._before_take is not None:
+            self.rewind()
         while True:
             total = self.sampler.next_total(self.controller.total_batch)
             if total == 0:

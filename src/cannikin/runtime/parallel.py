@@ -22,10 +22,11 @@ measured step time is the period of the synchronous loop.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,13 +108,20 @@ def _first_grad_tensor(value: Any) -> torch.Tensor | None:
 
 def _map_batched(value: Any, fn: Any) -> Any:
     """``fn`` applied to every tensor with a batch dimension in a nested value; 0-dim
-    tensors (a loss, a scalar argument) and anything else pass through."""
+    tensors (a loss, a scalar argument) and anything else pass through. Containers keep
+    their type: a named tuple stays one, and a mapping (a Hugging Face ``ModelOutput``,
+    whose fields are its keys and attributes) is copied and its entries replaced."""
     if isinstance(value, torch.Tensor):
         return fn(value) if value.dim() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map_batched(v, fn) for v in value))
     if isinstance(value, tuple | list):
         return type(value)(_map_batched(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_batched(v, fn) for k, v in value.items()}
+    if isinstance(value, Mapping):
+        mapped = copy.copy(value)
+        for key, item in value.items():
+            mapped[key] = _map_batched(item, fn)
+        return mapped
     return value
 
 
@@ -165,7 +173,7 @@ class HeteroDataParallel(nn.Module):
         self.ddp = DistributedDataParallel(module, **ddp_kwargs)
         self.clock: Clock = clock_for(self.device)
         self.precondition = Preconditioner(optimizer)
-        self.comm = CommState(clock=self.clock,
+        self.comm = CommState(clock=self.clock, weight=1.0 / self.world_size,
                               transform=self.precondition if self.precondition.adaptive
                               else None)
         self.ddp.register_comm_hook(self.comm, weighted_allreduce_hook)
@@ -182,6 +190,10 @@ class HeteroDataParallel(nn.Module):
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
         loader.attach(self, self.rank, self.world_size)
+        logger.info("batch_size %d is the total over %d workers (a DataLoader's batch_size "
+                    "is per rank: DDP with %d per rank trains like batch_size=%d here)",
+                    loader.batch_size, self.world_size, loader.batch_size,
+                    loader.batch_size * self.world_size)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _install_slowdown(self, module: nn.Module, slowdown: float | None,
@@ -391,7 +403,7 @@ class HeteroDataParallel(nn.Module):
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         cycle = self._cycle
         if not cycle.stepping or cycle.split is None:
-            return  # a step outside HeteroDataLoader's iteration: plain DDP semantics
+            return  # a step outside HeteroDataLoader's iteration: plain DDP (see _end_step)
         end = self.clock.mark()
         step_s = self.clock.elapsed(cycle.prev_mark, end)
         report = global_sqnorm = None
@@ -458,11 +470,39 @@ class HeteroDataParallel(nn.Module):
                              "local_batches": [r.batch for r in reports],
                              "total_batch": sum(r.batch for r in reports), "trained": 0}
 
+    def _end_step(self) -> None:
+        """Back to plain DDP semantics until the loader hands out the next step: a backward
+        outside the loader's iteration (a step on the script's own tensors) averages the
+        ranks' gradients, as DDP does, instead of weighing them by a stale b_i / B."""
+        self._cycle.stepping = False
+        self.comm.weight = 1.0 / self.world_size
+        self.comm.capture_sqnorm = False
+        self.comm.rows = None
+
+    def abandon_step(self) -> bool:
+        """The loader's iteration was dropped after handing out a step that never reached
+        the optimizer (a peek at a batch): the loader gives its samples back, and the next
+        step, whose cycle spans the pause, is not measured."""
+        if not self._cycle.stepping:
+            return False
+        self._end_step()
+        self._cycle.interrupted = True
+        return True
+
+    def no_sync(self) -> Any:
+        """Refused: accumulating gradients over several of the loader's steps would weigh
+        the sum by the last step's b_i / B alone, a silently wrong gradient."""
+        raise RuntimeError(
+            "HeteroDataParallel does not accumulate gradients over loader steps yet: each "
+            "step's local batches are weighted by their own b_i / B, which no_sync() would "
+            "mix up. Use a larger batch_size (the total over all workers) instead, with "
+            "max_local_batch= to bound each worker's memory")
+
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         cycle = self._cycle
         if not cycle.stepping:
             return
-        cycle.stepping = False
+        self._end_step()
         if not cycle.scaled:
             return  # skipped step (out of memory): retried with the new split
         self.scaler.step_end()

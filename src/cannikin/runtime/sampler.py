@@ -116,6 +116,20 @@ class UnevenSampler:
         self.position += total
         return self.permutation()[start:stop].copy()
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration use ``epoch``'s permutation, as DistributedSampler's
+        ``set_epoch`` does. The epoch in progress is kept when ``epoch`` names it, so the
+        usual ``for epoch in range(start, E): sampler.set_epoch(epoch)`` loop neither
+        skips an epoch (this sampler moves to the next one by itself) nor restarts one
+        resumed from a checkpoint mid-way; another epoch starts at its first sample."""
+        epoch = _check_int("epoch", epoch, minimum=0)
+        if epoch == self.epoch:
+            return
+        if 0 < self.position < self.num_samples:
+            logger.warning("set_epoch(%d) leaves epoch %d after %d of its %d samples", epoch,
+                           self.epoch, self.position, self.num_samples)
+        self.epoch, self.position, self._permutation = epoch, 0, None
+
     def new_epoch(self) -> None:
         """Start the next epoch (a new permutation, position 0), whether or not this one ended."""
         self.epoch += 1
