@@ -3,18 +3,22 @@
 Every job is started with the same common command line on both hosts, through ``cannikin
 launch``: ``--rdzv-backend=c10d --rdzv-endpoint=<host a>:PORT`` and nothing else about the
 network (no ``is_host``, no ``--local-addr``); gloo runs over the veth
-(``GLOO_SOCKET_IFNAME``). The launcher must find that host a owns the endpoint (plain
-torchrun does not here: the machine's hostname resolves to 127.0.0.1, so no agent hosts the
-store and both fail after 60 s) and give each host its veth address for the workers' store.
+(``GLOO_SOCKET_IFNAME``). The launcher must find that host a owns the endpoint and give each
+host its veth address for the workers' store. Plain torchrun does neither here, because the
+machine's hostname resolves to 127.0.0.1: no agent hosted the rendezvous store (one agent
+failed with "The connection to the C10d store has failed", the other was still waiting when
+killed at 100 s); with ``is_host=1`` on host a but no ``--local-addr`` the rendezvous closed but
+the workers could not reach rank 0's store at the hostname, and both agents failed after 70 s.
 
 * ``test_cannikin_launch_across_two_hosts``: a 1.1 M-parameter MLP (tests/workers/
   comm_worker.py) trains 16 steps over the bare veth; both hosts exit 0, and the launcher
   added ``is_host=1`` on host a only and each host's veth address as ``--local-addr``.
 * ``test_fitted_comm_follows_the_shaped_link``: that run, and the same over a ``tc tbf``
-  limit of 200 Mbit/s (both directions), ~30 s for the two jobs on 2 busy cores. The fitted
-  all-reduce time (``model.cluster_model.comm``, the sum of its buckets) must follow the link:
-  with the limit it is at least the time the gradient bytes need on the wire and several
-  times the unshaped fit. The bounds are loose so a loaded machine does not flake them.
+  limit of 200 Mbit/s (both directions): 28 s for both jobs on 2 shared cores, ~50 s when
+  they are busy. The fitted all-reduce time (``model.cluster_model.comm``, the sum of its
+  buckets) must follow the link: with the limit it is at least the time the gradient bytes
+  need on the wire (physics: it cannot be beaten) and over twice the unshaped fit (measured
+  7-22x). The bounds are loose so that a loaded machine does not flake them.
 """
 
 from __future__ import annotations
@@ -113,5 +117,6 @@ def test_fitted_comm_follows_the_shaped_link(hosts: HostPair, unshaped: list[Job
           f"{shaped['median_step_s'] * 1e3:.0f} ms")
     assert shaped["comm_s"] >= 0.8 * wire_s, (plain, shaped)  # no faster than the wire
     assert shaped["comm_s"] <= 5 * wire_s + 0.5, (plain, shaped)
-    assert shaped["comm_s"] >= 3 * plain["comm_s"], (plain, shaped)  # measured: ~20x
+    # measured 7-22x: unshaped 9-30 ms (CPU-bound, so it grows with the machine's load)
+    assert shaped["comm_s"] >= 2 * plain["comm_s"], (plain, shaped)
     assert shaped["median_step_s"] >= 0.8 * wire_s, (plain, shaped)
