@@ -7,8 +7,9 @@ network (no ``is_host``, no ``--local-addr``); gloo runs over the veth
 host its veth address for the workers' store. Plain torchrun does neither here, because the
 machine's hostname resolves to 127.0.0.1: no agent hosted the rendezvous store (one agent
 failed with "The connection to the C10d store has failed", the other was still waiting when
-killed at 100 s); with ``is_host=1`` on host a but no ``--local-addr`` the rendezvous closed but
-the workers could not reach rank 0's store at the hostname, and both agents failed after 70 s.
+killed at 100 s); with ``is_host=1`` on host a but no ``--local-addr`` the rendezvous closed, but
+the workers looked for rank 0's store at ``localhost`` (``socket.getfqdn()`` here) and failed
+after 60 s.
 
 * ``test_cannikin_launch_across_two_hosts``: a 1.1 M-parameter MLP (tests/workers/
   comm_worker.py) trains 16 steps over the bare veth; both hosts exit 0, and the launcher
