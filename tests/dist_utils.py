@@ -18,7 +18,8 @@ Usage from a test::
   ``last_call_timeout=1`` so start-up is not 30 s, 1 s heartbeats so a lost agent is dropped
   from the next round within ~5 s), on a fresh port and rendezvous id, so concurrent tests
   never merge into one world; the first agent hosts the rendezvous store, so kill another one
-  to emulate a lost node (``ElasticJob.kill_agent``).
+  to emulate a lost node (``ElasticJob.kill_agent``). ``start_commands`` starts agents from
+  command lines built by the caller (e.g. one per network namespace, tests/netns.py).
 * Every agent is killed with all its workers (SIGKILL to the process tree) when ``timeout_s``
   passes: a hung worker fails the test (``timed_out`` is True,
   ``returncode`` is -9), it never hangs the suite.
@@ -206,6 +207,12 @@ def run_torchrun(script: str | Path, *, nproc: int = 2, script_args: Sequence[st
     job = start_torchrun(script, nproc=nproc, script_args=script_args,
                          max_restarts=max_restarts, env=env, launcher=launcher)
     return job.wait(timeout_s)[0]
+
+
+def start_commands(commands: Sequence[tuple[Sequence[str], Mapping[str, str]]]) -> ElasticJob:
+    """Start each ``(command line, environment)`` as one agent of one job, as given (e.g.
+    behind ``ip netns exec``, with ``torchrun_command``'s lines and ``worker_env``'s env)."""
+    return ElasticJob([_start(cmd, env) for cmd, env in commands])
 
 
 def start_agents(script: str | Path, *, nnodes: int, min_nodes: int | None = None,

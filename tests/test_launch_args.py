@@ -1,4 +1,6 @@
-"""Cannikin's torchrun defaults (cannikin.runtime.launch_args): a pure argv rewrite."""
+"""Cannikin's torchrun defaults (cannikin.runtime.launch_args): a pure argv rewrite, with the
+endpoint probe faked (tests/test_hostaddr.py tests the real one on loopback, test_netns.py
+across two network namespaces)."""
 
 from __future__ import annotations
 
@@ -6,11 +8,14 @@ import argparse
 
 import pytest
 
-from cannikin.cli import build_parser
+from cannikin.cli import build_parser, main
+from cannikin.runtime.hostaddr import EndpointView
 from cannikin.runtime.launch_args import (
     FLAG_OPTIONS,
     SHARE_STORE_ENV,
     VALUE_OPTIONS,
+    EndpointProbe,
+    LaunchArgsError,
     conf_keys,
     with_cannikin_defaults,
 )
@@ -112,3 +117,124 @@ def test_option_tables_match_torchrun() -> None:
         assert not isinstance(action, argparse._AppendAction), action
     assert values == VALUE_OPTIONS
     assert flags == FLAG_OPTIONS
+
+
+ACROSS = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+          "--rdzv-endpoint=10.9.0.1:29400", "--rdzv-id=job"]
+
+
+def fake_probe(owned: bool, served: bool = False, local_addr: str = "10.9.0.5",
+               seen: list[tuple[str, int]] | None = None) -> EndpointProbe:
+    def probe(host: str, port: int) -> EndpointView:
+        if seen is not None:
+            seen.append((host, port))
+        return EndpointView(owned=owned, served=served, local_addr=local_addr)
+    return probe
+
+
+def test_the_endpoints_owner_hosts_the_store_and_every_host_gets_its_address() -> None:
+    seen: list[tuple[str, int]] = []
+    owner = with_cannikin_defaults([*ACROSS, "train.py"], {},
+                                   probe=fake_probe(True, local_addr="10.9.0.1", seen=seen))
+    assert owner.argv == (*ACROSS, "--rdzv-conf=last_call_timeout=1,is_host=1",
+                          "--local-addr=10.9.0.1", "train.py")
+    assert owner.added[:2] == ("--rdzv-conf last_call_timeout=1,is_host=1",
+                               "--local-addr 10.9.0.1")
+    assert seen == [("10.9.0.1", 29400)]
+    other = with_cannikin_defaults([*ACROSS, "train.py"], {}, probe=fake_probe(False))
+    assert other.argv == (*ACROSS, "--rdzv-conf=last_call_timeout=1",
+                          "--local-addr=10.9.0.5", "train.py")
+
+
+def test_an_owner_whose_store_is_already_served_joins_it_as_a_client() -> None:
+    """A second agent on the endpoint's host: torchrun's own retry as a client must stay."""
+    out = rewrite_probed([*ACROSS, "train.py"], fake_probe(True, served=True))
+    assert out == [*ACROSS, "--rdzv-conf=last_call_timeout=1", "--local-addr=10.9.0.5",
+                   "train.py"]
+
+
+def rewrite_probed(argv: list[str], probe: EndpointProbe,
+                   env: dict[str, str] | None = None) -> list[str]:
+    return list(with_cannikin_defaults(argv, env or {}, probe=probe).argv)
+
+
+def test_the_users_is_host_and_local_addr_win() -> None:
+    argv = [*ACROSS, "--rdzv-conf", "is_host=0,last_call_timeout=5", "--local_addr=n1",
+            "train.py"]
+    assert rewrite_probed(argv, fake_probe(True)) == argv
+    env = {"PET_LOCAL_ADDR": "n1", "PET_RDZV_CONF": "is_host=false"}
+    assert rewrite_probed([*ACROSS, "train.py"], fake_probe(True), env) == [
+        *ACROSS, "--rdzv-conf=is_host=false,last_call_timeout=1", "train.py"]
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:29400", "localhost:5", "[::1]:7", "127.0.0.2"])
+def test_loopback_endpoints_are_not_probed(endpoint: str) -> None:
+    """Every agent is on this machine; torchrun's own detection handles it (with its retry)."""
+    seen: list[tuple[str, int]] = []
+    argv = ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "train.py"]
+    assert rewrite_probed(argv, fake_probe(True, seen=seen)) == [
+        *argv[:2], "--rdzv-conf=last_call_timeout=1", "train.py"]
+    assert seen == []
+
+
+def test_endpoint_forms_and_unresolvable_endpoints() -> None:
+    seen: list[tuple[str, int]] = []
+    probe = fake_probe(False, seen=seen)
+    for endpoint in ("node1", "node1:29500", "[fd00::1]:29501", "fd00::2"):
+        rewrite_probed(["--rdzv-backend=c10d", "--rdzv-endpoint", endpoint, "t.py"], probe)
+    assert seen == [("node1", 29400), ("node1", 29500), ("fd00::1", 29501), ("fd00::2", 29400)]
+    argv = [*ACROSS, "--", "train.py"]
+    assert rewrite_probed(argv, lambda host, port: None) == [
+        *ACROSS, "--rdzv-conf=last_call_timeout=1", "--", "train.py"]
+    assert rewrite_probed(argv, fake_probe(False)) == [
+        *ACROSS, "--rdzv-conf=last_call_timeout=1", "--local-addr=10.9.0.5", "--", "train.py"]
+
+
+def test_standalone_and_static_are_not_probed() -> None:
+    seen: list[tuple[str, int]] = []
+    for argv in (["--standalone", "--rdzv-backend=c10d", "--rdzv-endpoint=10.9.0.1", "t.py"],
+                 ["--nnodes=2", "--rdzv-endpoint=10.9.0.1:1", "t.py"]):
+        assert rewrite_probed(argv, fake_probe(True, seen=seen)) == argv
+    assert seen == []
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--nproc-per-node=0"], {}, "--nproc-per-node 0 is not valid: it must be a positive "
+     "integer or one of auto, cpu, gpu, xpu"),
+    (["--nproc_per_node", "two"], {}, "--nproc_per_node two is not valid"),
+    ([], {"PET_NPROC_PER_NODE": "-1"}, "PET_NPROC_PER_NODE -1 is not valid"),
+    (["--nnodes=3:2"], {}, "--nnodes 3:2 is not valid: it must be N or MIN:MAX with integers "
+     "1 <= MIN <= MAX"),
+    (["--nnodes", "0"], {}, "--nnodes 0 is not valid"),
+    (["--nnodes=1:2:3"], {}, "--nnodes 1:2:3 is not valid"),
+    (["--nnodes=a:2"], {}, "--nnodes a:2 is not valid"),
+    (["--max-restarts=-1"], {}, "--max-restarts -1 is not valid: it must be an integer >= 0"),
+    (["--monitor-interval=0"], {}, "--monitor-interval 0 is not valid: it must be a positive "
+     "number of seconds"),
+    (["--monitor_interval=nan"], {}, "--monitor_interval nan is not valid"),
+    (["--rdzv-endpoint=h:99999"], {}, "--rdzv-endpoint h:99999 is not valid: the port "
+     "'99999' must be an integer in 1..65535"),
+    (["--rdzv-endpoint=[fd00::1]:x"], {}, "--rdzv-endpoint [fd00::1]:x is not valid"),
+])
+def test_values_torchrun_rejects_with_a_traceback_are_refused_by_name(
+        argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(LaunchArgsError) as error:
+        with_cannikin_defaults([*argv, "train.py"], env)
+    assert str(error.value).startswith(message), str(error.value)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--nproc-per-node=auto", "--nnodes=1:4", "--max-restarts=0", "--monitor-interval=0.5"],
+    ["--nproc-per-node", "3", "--nnodes", "2", "--rdzv-endpoint=[fd00::1]:29400"],
+    ["--nproc-per-node=0", "-h"],  # torchrun prints its help, whatever the values
+])
+def test_valid_values_and_help_pass(argv: list[str]) -> None:
+    with_cannikin_defaults([*argv, "train.py"], {})
+
+
+def test_cli_refuses_a_bad_value_in_one_line_with_status_2(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", "--nproc-per-node=0", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("cannikin launch: error: --nproc-per-node 0 is not valid: it must be a "
+                   "positive integer or one of auto, cpu, gpu, xpu\n")

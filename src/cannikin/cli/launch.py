@@ -5,8 +5,12 @@
 what the user did not set (see :mod:`cannikin.runtime.launch_args`): ``last_call_timeout=1``
 in ``--rdzv-conf`` for a c10d rendezvous (c10d's 30 s default makes every elastic start and
 membership change wait half a minute) and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the
-agent's environment (a fresh rendezvous store per worker generation). ``python -m
-cannikin.launch`` is the same command.
+agent's environment (a fresh rendezvous store per worker generation). With a c10d
+``--rdzv-endpoint=HOST:PORT`` that is not loopback, the same command line works on every
+host: the host that owns HOST's address gets ``is_host=1`` and every host ``--local-addr`` (its
+address toward HOST), found by asking the kernel (:mod:`cannikin.runtime.hostaddr`). A value
+torchrun would reject with a traceback (``--nproc-per-node=0``) exits 2 with one line first.
+``python -m cannikin.launch`` is the same command.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from cannikin.log import setup_logging
-from cannikin.runtime.launch_args import with_cannikin_defaults
+from cannikin.runtime.hostaddr import probe_endpoint
+from cannikin.runtime.launch_args import LaunchArgsError, with_cannikin_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +45,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def launch(argv: Sequence[str]) -> int:
-    """Run torchrun on ``argv`` with Cannikin's defaults; 0 on success, 1 if workers failed."""
+    """Run torchrun on ``argv`` with Cannikin's defaults; 0 on success, 1 if workers failed,
+    2 (one line on stderr, nothing started) for a bad launcher value."""
     setup_logging(0, False)
-    launch_args = with_cannikin_defaults(argv, os.environ)
+    try:
+        launch_args = with_cannikin_defaults(argv, os.environ, probe=probe_endpoint)
+    except LaunchArgsError as error:
+        print(f"cannikin launch: error: {error}", file=sys.stderr)
+        return 2
     for name, value in launch_args.env.items():
         os.environ[name] = value  # the agent reads it; its workers inherit it
     if launch_args.added:

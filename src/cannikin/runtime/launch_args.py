@@ -13,19 +13,51 @@ because they belong to the *agent* (the torchrun process), not to the workers:
   generation removes the stale keys at the source too, so user code that builds its own
   process group (not through ``init_distributed``) is safe as well: belt and braces.
 
+Across hosts (a c10d ``--rdzv-endpoint`` that is not loopback), given a probe of the
+endpoint (:func:`cannikin.runtime.hostaddr.probe_endpoint`), two more, so that the same
+command line works on every host:
+
+* ``is_host=1`` in ``--rdzv-conf`` on the host that owns the endpoint address, unless an agent
+  on it already serves the store there. torchrun compares the endpoint with the addresses of
+  the machine's hostname only, which misses it where the name resolves elsewhere: then no
+  agent hosts the store and every one fails after 60 s.
+* ``--local-addr=<this host's address toward the endpoint>``: the address rank 0's agent
+  advertises for the workers' store (torchrun's default, ``socket.getfqdn()``, may resolve to
+  127.0.0.1 or to an interface other hosts cannot reach).
+
+Before any of this the launcher's own values are checked (:class:`LaunchArgsError`, one line
+naming the value and what is valid): torchrun reports ``--nproc-per-node=0`` or
+``--nnodes=3:2`` with a bare traceback.
+
 Only the options before the training script are read; the script and its arguments are
 returned untouched. torchrun's ``PET_*`` environment defaults are honoured like torchrun does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from cannikin.runtime.hostaddr import EndpointView, is_loopback
 
 LAST_CALL_TIMEOUT_S = 1
 """Seconds a c10d round waits for more nodes once it has its minimum (c10d's default: 30)."""
 
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+DEFAULT_RDZV_PORT = 29400
+"""torchrun's port for a c10d ``--rdzv-endpoint`` given without one."""
+
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+"""The non-numeric ``--nproc-per-node`` values torchrun understands."""
+
+EndpointProbe = Callable[[str, int], EndpointView | None]
+"""``(host, port) -> EndpointView``, or None where the endpoint does not resolve."""
+
+
+class LaunchArgsError(ValueError):
+    """A launcher value torchrun would reject with a traceback; the message names it."""
 
 VALUE_OPTIONS: dict[str, str] = {
     spelling: dest
@@ -149,35 +181,142 @@ def conf_keys(conf: str) -> set[str]:
     return {part.split("=", 1)[0].strip() for part in conf.split(",") if part.strip()}
 
 
-def with_cannikin_defaults(argv: Sequence[str], env: Mapping[str, str]) -> LaunchArgs:
+@dataclass(frozen=True)
+class _Setting:
+    """A value torchrun will read: from the command line (last wins) or its ``PET_*`` default."""
+
+    value: str
+    name: str
+    """How the user wrote it, for messages: ``--nproc_per_node`` or ``PET_NPROC_PER_NODE``."""
+
+
+def _setting(argv: Sequence[str], options: Sequence[_Option], env: Mapping[str, str],
+             dest: str) -> _Setting | None:
+    opt = _last(options, dest)
+    if opt is not None:
+        # a missing value (the option ends argv) is left to torchrun, which reports it
+        return None if opt.value is None else _Setting(opt.value,
+                                                       argv[opt.index].partition("=")[0])
+    env_name = f"PET_{dest.upper()}"
+    return _Setting(env[env_name], env_name) if env.get(env_name) else None
+
+
+def _int(text: str) -> int | None:
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host[:port]`` or ``[v6]:port`` as torchrun reads an endpoint (default port 29400);
+    ValueError if the port is not a TCP port."""
+    text = endpoint.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:  # no port, or a bare IPv6 address
+        host, port_text = text, ""
+    if not port_text:
+        return host, DEFAULT_RDZV_PORT
+    port = _int(port_text)
+    if port is None or not 0 < port < 65536:
+        raise ValueError(f"the port {port_text!r} must be an integer in 1..65535")
+    return host, port
+
+
+def _check(argv: Sequence[str], options: Sequence[_Option], env: Mapping[str, str]) -> None:
+    """Raise LaunchArgsError for a value torchrun would only reject with a traceback."""
+    nproc = _setting(argv, options, env, "nproc_per_node")
+    if nproc is not None and nproc.value not in NPROC_WORDS:
+        count = _int(nproc.value)
+        if count is None or count < 1:
+            raise LaunchArgsError(f"{nproc.name} {nproc.value} is not valid: it must be a "
+                                  f"positive integer or one of {', '.join(NPROC_WORDS)}")
+    nnodes = _setting(argv, options, env, "nnodes")
+    if nnodes is not None:
+        bounds = [_int(part) for part in nnodes.value.split(":")]
+        low, high = (bounds[0], bounds[-1]) if len(bounds) in (1, 2) else (None, None)
+        if low is None or high is None or not 0 < low <= high:
+            raise LaunchArgsError(f"{nnodes.name} {nnodes.value} is not valid: it must be N or "
+                                  "MIN:MAX with integers 1 <= MIN <= MAX")
+    restarts = _setting(argv, options, env, "max_restarts")
+    if restarts is not None:
+        count = _int(restarts.value)
+        if count is None or count < 0:
+            raise LaunchArgsError(f"{restarts.name} {restarts.value} is not valid: it must be "
+                                  "an integer >= 0")
+    interval = _setting(argv, options, env, "monitor_interval")
+    if interval is not None:
+        try:
+            seconds = float(interval.value)
+        except ValueError:
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise LaunchArgsError(f"{interval.name} {interval.value} is not valid: it must be "
+                                  "a positive number of seconds")
+    endpoint = _setting(argv, options, env, "rdzv_endpoint")
+    if endpoint is not None:
+        try:
+            split_endpoint(endpoint.value)
+        except ValueError as error:
+            raise LaunchArgsError(f"{endpoint.name} {endpoint.value} is not valid: "
+                                  f"{error}") from None
+
+
+def with_cannikin_defaults(argv: Sequence[str], env: Mapping[str, str],
+                           probe: EndpointProbe | None = None) -> LaunchArgs:
     """``argv`` (torchrun's arguments) with Cannikin's defaults where the user set none.
 
     ``env`` is the launcher's environment: it tells which ``PET_*`` defaults torchrun will
-    read and whether the user already set the store variable. Nothing is removed or reordered;
-    at most one ``--rdzv-conf`` value is changed or one ``--rdzv-conf=...`` is inserted just
-    before the training script.
+    read and whether the user already set the store variable. ``probe`` looks the c10d
+    endpoint up from this host; without it no cross-host default is added (the rewrite stays
+    pure). Nothing is removed or reordered; at most one ``--rdzv-conf`` value is changed or
+    one ``--rdzv-conf=...`` inserted, and one ``--local-addr=...`` inserted, just before the
+    training script. LaunchArgsError for a value torchrun would reject with a traceback.
     """
     argv = list(argv)
     options, end = _scan(argv)
+    helping = _last(options, "help") is not None  # torchrun prints its help, whatever the values
+    if not helping:
+        _check(argv, options, env)
     standalone_opt = _last(options, "standalone")
     standalone = standalone_opt is not None or env.get("PET_STANDALONE", "0") not in ("", "0")
     backend_opt = _last(options, "rdzv_backend")
     backend = backend_opt.value if backend_opt is not None else env.get("PET_RDZV_BACKEND")
     added: list[str] = []
+    inserted: list[str] = []
     if backend == "c10d" and not standalone:
         conf_opt = _last(options, "rdzv_conf")
         conf = (conf_opt.value if conf_opt is not None else env.get("PET_RDZV_CONF")) or ""
         missing_value = conf_opt is not None and conf_opt.value is None  # torchrun reports it
-        if "last_call_timeout" not in conf_keys(conf) and not missing_value:
-            extra = f"last_call_timeout={LAST_CALL_TIMEOUT_S}"
+        keys = conf_keys(conf)
+        extras = [] if "last_call_timeout" in keys else [
+            f"last_call_timeout={LAST_CALL_TIMEOUT_S}"]
+        endpoint = _setting(argv, options, env, "rdzv_endpoint")
+        view = None
+        if probe is not None and endpoint is not None and not helping:
+            host, port = split_endpoint(endpoint.value)
+            view = None if not host or is_loopback(host) else probe(host, port)
+        if view is not None:
+            if view.owned and not view.served and "is_host" not in keys:
+                extras.append("is_host=1")
+            if _setting(argv, options, env, "local_addr") is None:
+                inserted.append(f"--local-addr={view.local_addr}")
+                added.append(f"--local-addr {view.local_addr}")
+        if extras and not missing_value:
+            extra = ",".join(extras)
             merged = f"{conf.rstrip().rstrip(',')},{extra}" if conf.strip() else extra
             if conf_opt is None:
-                argv.insert(end, f"--rdzv-conf={merged}")
+                inserted.insert(0, f"--rdzv-conf={merged}")
             elif conf_opt.inline:
                 argv[conf_opt.index] = f"{argv[conf_opt.index].partition('=')[0]}={merged}"
             else:
                 argv[conf_opt.index + 1] = merged
-            added.append(f"--rdzv-conf {extra}")
+            added.insert(0, f"--rdzv-conf {extra}")
+    argv[end:end] = inserted
     extra_env = {}
     if SHARE_STORE_ENV not in env:
         extra_env[SHARE_STORE_ENV] = "1"
