@@ -208,3 +208,4 @@ def test_ddp_habits_work_as_with_ddp(figures: dict[str, Any]) -> None:
     # to sum them: 3x the DDP gradient on 3 workers)
     assert habits["outside_rel_err"] < 1e-5
     assert "no_sync() would" in habits["no_sync"]
+    assert habits["state_keys_as_ddp"]  # model.state_dict() has DDP's "module." keys

@@ -110,3 +110,12 @@ def test_autoscale_bounds_are_validated() -> None:
     loader.autoscale_batch_size(32, local_bsz_bounds=(2, 16))
     assert loader.autoscale is not None and loader.autoscale.max_batch_size == 32
 
+
+
+def test_an_iterable_dataset_is_refused_by_name() -> None:
+    class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from range(10)
+
+    with pytest.raises(TypeError, match="map-style dataset.*IterableDataset Stream"):
+        HeteroDataLoader(Stream(), batch_size=4)

@@ -533,6 +533,9 @@ def check_ddp_habits() -> dict[str, Any]:
     scale = max(float(q.grad.abs().max()) for q in ref.parameters())
     worst = max(float((p.grad - q.grad).abs().max())
                 for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
+    ddp_keys = sorted(f"module.{key}" for key in model.module.state_dict())
+    state_keys_as_ddp = sorted(model.state_dict()) == ddp_keys
+    model.load_state_dict(model.state_dict())
     try:
         model.no_sync()
         no_sync = "allowed"
@@ -540,7 +543,8 @@ def check_ddp_habits() -> dict[str, Any]:
         no_sync = str(error)
     model.remove_hooks()
     return {"peeked": peeked, "epochs": epochs, "epoch_after": epoch_after,
-            "outside_rel_err": worst, "no_sync": no_sync}
+            "outside_rel_err": worst, "no_sync": no_sync,
+            "state_keys_as_ddp": state_keys_as_ddp}
 
 
 CHECKS: dict[str, Callable[[], dict[str, Any]]] = {

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
 from cannikin.runtime.sampler import IndexArray, UnevenSampler
 
@@ -95,6 +95,12 @@ class HeteroDataLoader:
                  rank: int | None = None, world_size: int | None = None) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(f"HeteroDataLoader needs a map-style dataset (it draws each step's "
+                            f"samples by index, so that every sample is used once per epoch "
+                            f"whatever the split), got the IterableDataset "
+                            f"{type(dataset).__name__}: give it a Dataset with __getitem__ "
+                            f"and __len__")
         size = len(dataset)  # type: ignore[arg-type]
         if size < batch_size:
             raise ValueError(f"dataset of {size} samples is smaller than one batch "

@@ -245,6 +245,17 @@ class HeteroDataParallel(nn.Module):
         module: nn.Module = self.ddp.module
         return module
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """DDP's state dict (keys ``module.<name>``, as DistributedDataParallel's), so a
+        checkpoint saved from either wrapper loads into the other; ``model.module`` has the
+        plain module's keys."""
+        return self.ddp.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load DDP-style keys (see :meth:`state_dict`)."""
+        return self.ddp.load_state_dict(state_dict, strict=strict, assign=assign)
+
     @property
     def plan(self) -> Plan:
         """The split in force: local batches and predicted step time (NaN before a model)."""
