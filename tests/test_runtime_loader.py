@@ -16,6 +16,7 @@ class Scripted:
     def __init__(self, totals: list[int], world: int) -> None:
         self.totals, self.world, self.step = totals, world, 0
         self.begun: list[tuple[int, ...]] = []
+        self.peeked = False  # the last step handed out never reached an optimizer step
 
     @property
     def total_batch(self) -> int:
@@ -33,6 +34,10 @@ class Scripted:
     def begin_step(self, split: tuple[int, ...]) -> None:
         self.begun.append(split)
         self.step += 1
+
+    def abandon_step(self) -> bool:
+        peeked, self.peeked = self.peeked, False
+        return peeked
 
 
 class Pairs(Dataset[tuple[torch.Tensor, int]]):
@@ -119,3 +124,14 @@ def test_an_iterable_dataset_is_refused_by_name() -> None:
 
     with pytest.raises(TypeError, match="map-style dataset.*IterableDataset Stream"):
         HeteroDataLoader(Stream(), batch_size=4)
+
+
+def test_a_peeked_batch_comes_again() -> None:
+    data = TensorDataset(torch.arange(30))
+    loader = HeteroDataLoader(data, batch_size=7, rank=0, world_size=1)
+    controller = Scripted([7], 1)
+    loader.attach(controller, 0, 1)
+    peek = next(iter(loader))[0].tolist()
+    controller.peeked = True  # the peek's step never reached an optimizer step
+    seen = [i for (batch,) in loader for i in batch.tolist()]
+    assert sorted(seen) == list(range(30)) and seen[:len(peek)] == peek
