@@ -20,7 +20,7 @@ import numpy as np
 
 from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size
-from cannikin.optperf import Plan, optimal_split
+from cannikin.optperf import CostlyWorker, Plan, costly_workers, optimal_split, zero_split
 from cannikin.perf import (
     ClusterModel,
     CommFitter,
@@ -208,7 +208,12 @@ class PlannerConfig:
     max_batch: int | None = None
     """Adaptive total batch up to this (goodput); None keeps B0."""
     min_local: int = 1
-    """Smallest local batch a worker is planned (``local_bsz_bounds[0]``)."""
+    """Smallest local batch a worker is planned (``local_bsz_bounds[0]``), unless it gets
+    none (``allow_zero``)."""
+    allow_zero: bool = True
+    """A worker may be planned 0 samples when the step is faster so (it still joins the
+    all-reduce and the update; its gradient weight is 0): on real 100/50/25% CPU workers
+    the best split gave the slowest worker none (:func:`~cannikin.optperf.zero_split`)."""
     max_local: int | None = None
     """Largest local batch for every worker (``local_bsz_bounds[1]``)."""
     caps: tuple[int | None, ...] = ()
@@ -273,6 +278,9 @@ class PlanRecord:
     nodes: tuple[NodeModel, ...] | None = None
     comm: CommModel | None = None
     noise_scale: float | None = None
+    costly: tuple[CostlyWorker, ...] = ()
+    """Workers planned 0 samples that still slow the step (their fixed time or all-reduce
+    share), with the predicted step time without each (:func:`~cannikin.optperf.costly_workers`)."""
 
 
 @dataclass
@@ -299,6 +307,7 @@ class Planner:
     _drifted: int | None = field(default=None, init=False)  # a worker off its model
     _prediction: tuple[ClusterModel, tuple[int, ...], float] | None = field(
         default=None, init=False)  # the last predicted() of the model in force, reused
+    _costly_said: set[int] = field(default_factory=set, init=False)  # logged once each
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -337,7 +346,8 @@ class Planner:
         return self._even(total)
 
     def predicted(self, local_batches: Sequence[int]) -> float | None:
-        """Step time the model in force predicts for ``local_batches`` (None without one)."""
+        """Step time the model in force predicts for ``local_batches`` (None without one):
+        the expected slowest of the noisy workers (:meth:`ClusterModel.expected_step_time`)."""
         cluster = self.cluster_model
         if cluster is None:
             return None
@@ -345,7 +355,7 @@ class Planner:
         last = self._prediction
         if last is not None and last[0] is cluster and last[1] == split:
             return last[2]  # asked twice a step for the same split: evaluate once
-        predicted = float(cluster.step_time(list(split)))
+        predicted = cluster.expected_step_time(list(split))
         self._prediction = (cluster, split, predicted)
         return predicted
 
@@ -461,12 +471,14 @@ class Planner:
             elif cfg.split == "optimal":
                 plan = optimal_split(cluster, total)
             if cfg.split == "optimal":
-                plan = self._held(cluster, plan)
+                plan = self._held(cluster, self._with_zeros(cluster, plan))
             if cfg.split == "even":
                 even = self._even(total)
                 plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
-            record = self._record(step, reason, plan.local_batches, plan.step_time,
-                                  cluster=cluster, noise=noise)
+            record = self._record(step, reason, plan.local_batches,
+                                  cluster.expected_step_time(list(plan.local_batches)),
+                                  cluster=cluster, noise=noise,
+                                  costly=costly_workers(cluster, plan))
         # a plan that holds is re-checked less and less often (planning costs CPU every
         # step it runs); any change brings the cadence back to replan_every, and a re-plan
         # out of turn (a drift) that changes nothing leaves the cadence as it was
@@ -483,6 +495,16 @@ class Planner:
         return record
 
     def _log(self, record: PlanRecord, cluster: ClusterModel | None) -> None:
+        for worker in record.costly:
+            if worker.rank in self._costly_said:
+                continue
+            self._costly_said.add(worker.rank)
+            logger.warning(
+                "worker %d (%s) slows the step even with 0 samples (its fixed time or its "
+                "all-reduce share): %.1f ms per step; without it the step would be %.2fx "
+                "faster (%.1f -> %.1f ms)", worker.rank, self.config.names[worker.rank],
+                worker.cost_s * 1e3, worker.speedup, worker.step_time * 1e3,
+                worker.without_step_time * 1e3)
         logger.info("plan at step %d (%s): B=%d split=%s predicted=%s noise_scale=%s",
                     record.step, record.reason, record.total_batch, list(record.local_batches),
                     "n/a" if record.predicted_step_s is None
@@ -507,13 +529,21 @@ class Planner:
         return cap
 
     # -- internals -------------------------------------------------------------------------------
+    def _with_zeros(self, cluster: ClusterModel, plan: Plan) -> Plan:
+        """``plan``, or a faster one where some workers get 0 samples (``allow_zero``)."""
+        if not self.config.allow_zero or self.config.min_local not in plan.local_batches:
+            return plan
+        return zero_split(cluster, plan.total_batch)
+
     def _held(self, cluster: ClusterModel, plan: Plan) -> Plan:
         """The split in force instead of ``plan`` if it is as good (:data:`PLAN_HOLD`)."""
         current = self.current.local_batches
         if current == plan.local_batches or sum(current) != sum(plan.local_batches):
             return plan
         bounds = cluster.arrays  # the bounds optimal_split planned within
-        if not np.all((bounds.lo <= current) & (np.asarray(current) <= bounds.hi)):
+        now = np.asarray(current)
+        fits = (bounds.lo <= now) | ((now == 0) & self.config.allow_zero)
+        if not np.all(fits & (now <= bounds.hi)):
             return plan  # a cap came down: the old split no longer fits
         kept = float(cluster.step_time(list(current)))
         if kept <= (1.0 + PLAN_HOLD) * plan.step_time:
@@ -552,17 +582,18 @@ class Planner:
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
         """The same models with this config's bounds and caps applied."""
         nodes = [NodeModel(fwd=n.fwd, bwd=n.bwd, min_batch=min_local,
-                           max_batch=self.config.cap_of(i), name=n.name)
+                           max_batch=self.config.cap_of(i), name=n.name, noise=n.noise)
                  for i, n in enumerate(cluster.nodes)]
         return ClusterModel(nodes=nodes, comm=cluster.comm)
 
     def _record(self, step: int, reason: str, split: tuple[int, ...], predicted: float | None,
-                *, cluster: ClusterModel | None = None,
-                noise: float | None = None) -> PlanRecord:
+                *, cluster: ClusterModel | None = None, noise: float | None = None,
+                costly: tuple[CostlyWorker, ...] = ()) -> PlanRecord:
         record = PlanRecord(step=step, reason=reason, total_batch=sum(split),
                             local_batches=tuple(split), predicted_step_s=predicted,
                             nodes=None if cluster is None else tuple(cluster.nodes),
-                            comm=None if cluster is None else cluster.comm, noise_scale=noise)
+                            comm=None if cluster is None else cluster.comm, noise_scale=noise,
+                            costly=costly)
         self.history.append(record)
         return record
 
@@ -617,7 +648,7 @@ class Planner:
             nodes = [self.cached[name] for name in self.config.names]
             self.cluster_model = self._bounded(ClusterModel(nodes=nodes, comm=cached_comm),
                                                min_local=self.config.min_local)
-            plan = optimal_split(self.cluster_model, total)
+            plan = self._with_zeros(self.cluster_model, optimal_split(self.cluster_model, total))
             if self.config.split == "even":
                 plan = Plan(local_batches=self._even(total),
                             step_time=self.cluster_model.step_time(list(self._even(total))))
