@@ -460,7 +460,8 @@ class NodeFitter:
 
     window: int = 64
     levels: int = 16
-    """Distinct batch sizes remembered beyond the window (the least recently measured goes)."""
+    """Distinct batch sizes remembered beyond the window (past it, the one adding the least
+    spread is forgotten)."""
     level_samples: int = 9
     """Latest measurements kept per remembered batch size (their median is its anchor)."""
     anchor_min_samples: int = 3
@@ -493,6 +494,42 @@ class NodeFitter:
         held = {row[0] for row in self._samples}
         return sorted(held | {float(a) for a in self._anchors(held)[:, 0]})
 
+    def level_count(self, batch: float) -> int:
+        """Measurements remembered at ``batch`` (at most ``level_samples``)."""
+        level = self._levels.get(float(batch))
+        return 0 if level is None else len(level)
+
+    def nearest_level(self, batch: float) -> float | None:
+        """The remembered batch size nearest ``batch`` (None before any)."""
+        return min(self._levels, key=lambda b: (abs(b - batch), b), default=None)
+
+    def slope_error(self) -> float:
+        """Relative standard error of the time per sample that the data alone give (no
+        prior): ``inf`` without two distinct batch sizes. Least squares of the total time
+        on the window and the anchors, each point's variance that of multiplicative noise
+        (``(r * time)^2`` over its samples' worth, r the robust relative noise of the
+        window's residuals): a far batch size measured a few times is worth less than
+        its count says when its times are longer."""
+        if not self._samples:
+            return math.inf
+        data = np.array(self._samples, dtype=np.float64)
+        anchors = self._anchors(set(data[:, 0].tolist()))
+        b = np.concatenate([data[:, 0], anchors[:, 0]])
+        y = np.concatenate([data[:, 1] + data[:, 2], anchors[:, 1] + anchors[:, 2]])
+        count = np.concatenate([np.ones(len(data)), anchors[:, 3]])
+        if np.unique(b).size < 2 or not np.all(y > 0):
+            return math.inf
+        w = count / (y * y)  # inverse variances, up to the common factor r^2
+        b_mean, y_mean = float(np.average(b, weights=w)), float(np.average(y, weights=w))
+        sxx = float((w * (b - b_mean)) @ (b - b_mean))
+        slope = float((w * (b - b_mean)) @ (y - y_mean)) / sxx
+        fitted = y_mean + slope * (b - b_mean)
+        if slope <= 0 or not np.all(fitted[: len(data)] > 0):
+            return math.inf
+        log_ratio = np.log(y[: len(data)] / fitted[: len(data)])
+        r = 1.4826 * float(np.median(np.abs(log_ratio - np.median(log_ratio))))
+        return r / math.sqrt(sxx) / slope
+
     def add(self, batch: float, fwd_s: float, bwd_s: float) -> bool:
         """Record one step's measurement; returns False (and logs) if it is rejected.
 
@@ -515,9 +552,24 @@ class NodeFitter:
         if level is None:
             level = self._levels[values[0]] = deque(maxlen=self.level_samples)
             if len(self._levels) > self.levels:
-                self._levels.popitem(last=False)
+                self._forget_a_level(keep=values[0])
         self._levels.move_to_end(values[0])
         level.append(values[1:])
+
+    def _forget_a_level(self, keep: float) -> None:
+        """Drop the remembered batch size that adds the least spread: the one nearest its
+        neighbours (the least recently measured among equals), never ``keep`` nor the
+        smallest or largest. The far ones carry the slope; evicting by age alone lost the
+        warm-up's even split among 1-9 samples."""
+        sizes = sorted(self._levels)
+        gap = {b: min(b - lower, upper - b)
+               for lower, b, upper in zip(sizes, sizes[1:], sizes[2:], strict=False)}
+        gap.pop(keep, None)
+        if not gap:
+            del self._levels[next(b for b in self._levels if b != keep)]
+            return
+        nearest = min(gap.values())
+        del self._levels[next(b for b in self._levels if gap.get(b) == nearest)]
 
     def _anchors(self, held: set[float]) -> FloatArray:
         """Rows (batch, median fwd, median bwd, weight) of the remembered batch sizes not in

@@ -10,6 +10,7 @@ rank reports are the ones every rank planned.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -57,6 +58,9 @@ PLAN_HOLD = 0.003
 """A re-plan keeps the split in force while the new model predicts it within this fraction
 of the new optimum: timing noise moves the optimum by a sample now and then, and each
 move would reset the cadence and the measuring (MEASURE_STRIDE) for nothing."""
+PROBE_SNAP = 0.1
+"""A probe goes to a batch size measured before when one is within this fraction of its
+target, so that repeated probes fill one batch size's measurements (and then stop)."""
 _STATE_VERSION = 1
 
 
@@ -222,6 +226,15 @@ class PlannerConfig:
     """Per-worker device name, the key of cached models; () for "worker<i>"."""
     gns_smoothing: float = 0.9
     """Per-step smoothing of the noise-scale average (see NoiseScaleTracker)."""
+    probe_error: float | None = 0.1
+    """Once a plan holds, a worker whose measurements pin its time per sample down only to
+    worse than this relative standard error (:meth:`NodeFitter.slope_error`) is planned a
+    different batch for one re-plan interval (a probe: the even share, or twice or half its
+    batch when that is close), the others split optimally around it. A held plan spans a
+    few batch sizes, and the warm-up's even split is then a few noisy samples: on
+    100/50/25% workers the model predicted the even split 13x too slow. None: no probes."""
+    probe_every: int = 100
+    """Steps from one probe to the next, at least (a probe's steps are slower)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -256,6 +269,10 @@ class PlannerConfig:
         room = [self.cap_of(i) for i in range(self.world_size)]
         if None not in room and sum(r for r in room if r is not None) < self.init_batch:
             raise ValueError(f"batch_size {self.init_batch} does not fit the local caps {room}")
+        if self.probe_error is not None and not self.probe_error > 0:
+            raise ValueError(f"probe_error must be > 0 or None, got {self.probe_error}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
         if self.min_local * self.world_size > self.init_batch:
             raise ValueError(f"local_bsz_bounds lo={self.min_local} times {self.world_size} "
                              f"workers exceeds batch_size {self.init_batch}")
@@ -308,6 +325,7 @@ class Planner:
     _prediction: tuple[ClusterModel, tuple[int, ...], float] | None = field(
         default=None, init=False)  # the last predicted() of the model in force, reused
     _costly_said: set[int] = field(default_factory=set, init=False)  # logged once each
+    _last_probe: int | None = field(default=None, init=False)  # step of the latest probe
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -472,6 +490,10 @@ class Planner:
                 plan = optimal_split(cluster, total)
             if cfg.split == "optimal":
                 plan = self._held(cluster, self._with_zeros(cluster, plan))
+                if plan.local_batches == self.current.local_batches:
+                    probe = self._probe(step, cluster, plan)
+                    if probe is not None:
+                        reason, plan = probe
             if cfg.split == "even":
                 even = self._even(total)
                 plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
@@ -529,6 +551,48 @@ class Planner:
         return cap
 
     # -- internals -------------------------------------------------------------------------------
+    def _probe(self, step: int, cluster: ClusterModel, plan: Plan) -> tuple[str, Plan] | None:
+        """A probe of the least-known worker instead of the held ``plan`` (``probe_error``),
+        or None: not due, every fit known well enough, or no probe that adds a measurement."""
+        cfg = self.config
+        if cfg.probe_error is None or (self._last_probe is not None
+                                       and step - self._last_probe < cfg.probe_every):
+            return None
+        n = cfg.world_size
+        candidates = []
+        for rank, (fitter, b) in enumerate(zip(self.fitters, plan.local_batches, strict=True)):
+            error = fitter.slope_error()
+            if not error > cfg.probe_error:
+                continue
+            cap = cfg.cap_of(rank)
+            share = plan.total_batch // n
+            if not 0.5 * share <= b <= 2 * share:
+                target = share
+            elif cap is None or 2 * b <= cap:
+                target = 2 * b
+            else:
+                target = b // 2
+            target = max(target, cfg.min_local, 1)
+            if cap is not None:
+                target = min(target, cap)
+            near = fitter.nearest_level(target)
+            if near is not None and abs(near - target) <= PROBE_SNAP * target:
+                target = int(near)  # fill a batch size measured before, not a new one
+            if target == b or fitter.level_count(target) >= fitter.level_samples:
+                continue  # nothing to add: the probe's batch size is measured in full
+            candidates.append((-error, rank, target))
+        for _, rank, target in sorted(candidates):
+            fixed = [dataclasses.replace(nd, min_batch=target, max_batch=target) if i == rank
+                     else nd for i, nd in enumerate(cluster.nodes)]
+            try:
+                probe = optimal_split(ClusterModel(nodes=fixed, comm=cluster.comm),
+                                      plan.total_batch)
+            except ValueError:
+                continue  # the others cannot take the rest
+            self._last_probe = step
+            return f"probe worker {rank} at local batch {target}", probe
+        return None
+
     def _with_zeros(self, cluster: ClusterModel, plan: Plan) -> Plan:
         """``plan``, or a faster one where some workers get 0 samples (``allow_zero``)."""
         if not self.config.allow_zero or self.config.min_local not in plan.local_batches:
