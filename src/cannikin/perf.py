@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -469,6 +470,8 @@ class NodeFitter:
     ignores one straggler)."""
     _samples: deque[tuple[float, float, float]] = field(init=False, repr=False)
     _levels: OrderedDict[float, deque[tuple[float, float]]] = field(init=False, repr=False)
+    _medians: dict[float, tuple[float, float]] = field(default_factory=dict, init=False,
+                                                       repr=False)  # per level, until it changes
     _shape: tuple[float, float, float, float] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -555,6 +558,7 @@ class NodeFitter:
                 self._forget_a_level(keep=values[0])
         self._levels.move_to_end(values[0])
         level.append(values[1:])
+        self._medians.pop(values[0], None)
 
     def _forget_a_level(self, keep: float) -> None:
         """Drop the remembered batch size that adds the least spread: the one nearest its
@@ -566,17 +570,27 @@ class NodeFitter:
                for lower, b, upper in zip(sizes, sizes[1:], sizes[2:], strict=False)}
         gap.pop(keep, None)
         if not gap:
-            del self._levels[next(b for b in self._levels if b != keep)]
+            gone = next(b for b in self._levels if b != keep)
+            del self._levels[gone]
+            self._medians.pop(gone, None)
             return
         nearest = min(gap.values())
-        del self._levels[next(b for b in self._levels if gap.get(b) == nearest)]
+        gone = next(b for b in self._levels if gap.get(b) == nearest)
+        del self._levels[gone]
+        self._medians.pop(gone, None)
 
     def _anchors(self, held: set[float]) -> FloatArray:
         """Rows (batch, median fwd, median bwd, weight) of the remembered batch sizes not in
         ``held``; a median of k normal samples is worth 2k/pi of them (its variance)."""
-        rows = [(b, *np.median(np.array(level), axis=0), 2 * len(level) / math.pi)
-                for b, level in self._levels.items()
-                if b not in held and len(level) >= self.anchor_min_samples]
+        rows = []
+        for b, level in self._levels.items():
+            if b in held or len(level) < self.anchor_min_samples:
+                continue
+            median = self._medians.get(b)
+            if median is None:
+                fwd, bwd = zip(*level, strict=True)
+                median = self._medians[b] = (statistics.median(fwd), statistics.median(bwd))
+            rows.append((b, *median, 2 * len(level) / math.pi))
         return np.array(rows, dtype=np.float64).reshape(-1, 4)
 
     def fit(self, name: str = "", min_batch: int = 1, max_batch: int | None = None) -> (
@@ -606,6 +620,7 @@ class NodeFitter:
             for _ in range(start):
                 self._samples.popleft()
             self._levels.clear()
+            self._medians.clear()
             for row in self._samples:
                 self._remember(row)
             data = data[start:]

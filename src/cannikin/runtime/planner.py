@@ -235,6 +235,9 @@ class PlannerConfig:
     100/50/25% workers the model predicted the even split 13x too slow. None: no probes."""
     probe_every: int = 100
     """Steps from one probe to the next, at least (a probe's steps are slower)."""
+    costly_speedup: float = 1.01
+    """A worker planned 0 samples is reported (logged once, ``PlanRecord.costly``) when the
+    step is predicted at least this many times faster without it."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -271,6 +274,8 @@ class PlannerConfig:
             raise ValueError(f"batch_size {self.init_batch} does not fit the local caps {room}")
         if self.probe_error is not None and not self.probe_error > 0:
             raise ValueError(f"probe_error must be > 0 or None, got {self.probe_error}")
+        if not self.costly_speedup >= 1.0:
+            raise ValueError(f"costly_speedup must be >= 1, got {self.costly_speedup}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
         if self.min_local * self.world_size > self.init_batch:
@@ -500,7 +505,7 @@ class Planner:
             record = self._record(step, reason, plan.local_batches,
                                   cluster.expected_step_time(list(plan.local_batches)),
                                   cluster=cluster, noise=noise,
-                                  costly=costly_workers(cluster, plan))
+                                  costly=costly_workers(cluster, plan, cfg.costly_speedup))
         # a plan that holds is re-checked less and less often (planning costs CPU every
         # step it runs); any change brings the cadence back to replan_every, and a re-plan
         # out of turn (a drift) that changes nothing leaves the cadence as it was
