@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -430,3 +431,25 @@ def test_costly_workers_with_noise_match_a_monte_carlo() -> None:
 
     assert found[0].step_time == pytest.approx(simulate(cluster, plan.local_batches), rel=2e-3)
     assert found[0].without_step_time == pytest.approx(simulate(rest, split), rel=2e-3)
+
+
+def test_zero_split_by_expected_time_picks_the_candidate_with_the_smaller_expectation() -> None:
+    rng = np.random.default_rng(10)
+    differ = 0
+    for _ in range(60):
+        base = fixed_cost_cluster(rng, int(rng.integers(2, 5)), min_batch=1)
+        noisy = ClusterModel(nodes=[dataclasses.replace(nd, noise=float(rng.uniform(0, 0.4)))
+                                    for nd in base.nodes], comm=base.comm)
+        for total in range(base.size, 13):
+            caps = [nd.max_batch for nd in base.nodes]
+            if None not in caps and sum(c for c in caps if c is not None) < total:
+                continue
+            assert zero_split(base, total, expected=True) == zero_split(base, total)
+            candidates = {optimal_split(noisy, total).local_batches,
+                          zero_split(noisy, total).local_batches}
+            got = zero_split(noisy, total, expected=True).local_batches
+            assert got in candidates
+            assert noisy.expected_step_time(list(got)) == min(
+                noisy.expected_step_time(list(c)) for c in candidates)
+            differ += got != zero_split(noisy, total).local_batches
+    print(f"the expected step time chose differently from the means in {differ} cases")

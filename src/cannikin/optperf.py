@@ -355,7 +355,7 @@ class Splitter:
         return np.concatenate([[start.step_time], np.maximum(start.step_time, finish)])
 
 
-def zero_split(cluster: ClusterModel, total_batch: int) -> Plan:
+def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False) -> Plan:
     """:func:`optimal_split`, where a worker may also get 0 samples when the step is faster.
 
     A worker with no samples still joins the all-reduce and the update, so it still takes
@@ -368,7 +368,9 @@ def zero_split(cluster: ClusterModel, total_batch: int) -> Plan:
     zero-floored optimum gives fewer than their minimum get 0 and the rest are split again
     until none is short (never worse than :func:`optimal_split`; exact in 99% of the
     enumerated cases of ``tests/test_optperf.py``). Compares predicted step times
-    (:meth:`ClusterModel.step_time`). A total below the sum of the minima is split with zeros.
+    (:meth:`ClusterModel.step_time`), or with ``expected`` the expected ones of noisy
+    workers (:meth:`ClusterModel.expected_step_time`: a worker at a few samples still adds
+    its noise to the step's maximum). A total below the sum of the minima is split with zeros.
     """
     nodes = cluster.nodes
     plan = None
@@ -396,7 +398,14 @@ def zero_split(cluster: ClusterModel, total_batch: int) -> Plan:
     for i, b in zip(rest, part.local_batches, strict=True):
         local[i] = b
     floored = Plan(local_batches=tuple(local), step_time=cluster.step_time(local))
-    return floored if plan is None or floored.step_time < plan.step_time else plan
+    if plan is None:
+        return floored
+    if expected:
+        better = (cluster.expected_step_time(list(floored.local_batches))
+                  < cluster.expected_step_time(list(plan.local_batches)))
+    else:
+        better = floored.step_time < plan.step_time
+    return floored if better else plan
 
 
 def without_worker(cluster: ClusterModel, rank: int) -> ClusterModel:

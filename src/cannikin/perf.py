@@ -468,6 +468,8 @@ class NodeFitter:
     anchor_min_samples: int = 3
     """Measurements a batch size needs before its median anchors the fit (a median of 3
     ignores one straggler)."""
+    noise_min_samples: int = 8
+    """Window samples needed to estimate the worker's timing noise (fewer: taken as exact)."""
     _samples: deque[tuple[float, float, float]] = field(init=False, repr=False)
     _levels: OrderedDict[float, deque[tuple[float, float]]] = field(init=False, repr=False)
     _medians: dict[float, tuple[float, float]] = field(default_factory=dict, init=False,
@@ -477,7 +479,7 @@ class NodeFitter:
     def __post_init__(self) -> None:
         if not _is_int(self.window) or self.window < 2:
             raise ValueError(f"window={self.window!r} must be an integer >= 2")
-        for name in ("levels", "level_samples", "anchor_min_samples"):
+        for name in ("levels", "level_samples", "anchor_min_samples", "noise_min_samples"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -635,7 +637,8 @@ class NodeFitter:
         if np.unique(np.concatenate([data[:, 0], anchors[:, 0]])).size >= 2:
             self._shape = params
         return NodeModel(fwd=(f0, f1), bwd=(k0, k1), min_batch=min_batch,
-                         max_batch=max_batch, name=name, noise=_relative_noise(log_ratio))
+                         max_batch=max_batch, name=name,
+                         noise=_relative_noise(log_ratio, self.noise_min_samples))
 
     def _params(self, data: FloatArray, anchors: FloatArray) -> (
         tuple[float, float, float, float] | None
@@ -660,14 +663,10 @@ class NodeFitter:
         return None
 
 
-# Fewer window samples than this give no noise estimate (the model is taken as exact).
-_NOISE_MIN_SAMPLES = 8
-
-
-def _relative_noise(log_ratio: FloatArray) -> float:
+def _relative_noise(log_ratio: FloatArray, min_samples: int) -> float:
     """Robust SD (1.4826 MAD) of log(measured / predicted): the relative step-to-step noise
-    of a worker's compute, stragglers aside."""
-    if log_ratio.size < _NOISE_MIN_SAMPLES:
+    of a worker's compute, stragglers aside; 0 with fewer than ``min_samples``."""
+    if log_ratio.size < min_samples:
         return 0.0
     return float(1.4826 * np.median(np.abs(log_ratio - np.median(log_ratio))))
 

@@ -602,7 +602,7 @@ class Planner:
         """``plan``, or a faster one where some workers get 0 samples (``allow_zero``)."""
         if not self.config.allow_zero or self.config.min_local not in plan.local_batches:
             return plan
-        return zero_split(cluster, plan.total_batch)
+        return zero_split(cluster, plan.total_batch, expected=True)
 
     def _held(self, cluster: ClusterModel, plan: Plan) -> Plan:
         """The split in force instead of ``plan`` if it is as good (:data:`PLAN_HOLD`)."""
