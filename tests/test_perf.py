@@ -405,14 +405,16 @@ def test_fitted_noise_is_the_relative_timing_noise() -> None:
 
 def test_the_fit_keeps_batch_sizes_the_window_has_forgotten() -> None:
     # a plan holds at 1-2 samples after a warm-up at 160: with the window alone the slope
-    # comes from 1 vs 2 samples under 25% noise; the warm-up's median anchors it
+    # comes from 1 vs 2 samples under 25% noise; the warm-up's median anchors it (the
+    # plan's own batch sizes are not remembered: it chose them by the measurements)
     rng = np.random.default_rng(3)
     slopes = []
     for _ in range(20):
         fitter = NodeFitter()
-        for b in [160] * 3 + [int(v) for v in rng.integers(1, 3, 200)]:
+        for step, b in enumerate([160] * 3 + [int(v) for v in rng.integers(1, 3, 200)]):
             k = np.exp(0.25 * rng.standard_normal(2))
-            fitter.add(b, (0.02 + 0.0001 * b) * k[0], (0.03 + 0.0002 * b) * k[1])
+            fitter.add(b, (0.02 + 0.0001 * b) * k[0], (0.03 + 0.0002 * b) * k[1],
+                       remember=step < 3)  # the warm-up, chosen regardless of the times
         assert fitter.batch_sizes() == [1.0, 2.0, 160.0]
         model = fitter.fit()
         assert model is not None
@@ -424,11 +426,30 @@ def test_the_fit_keeps_batch_sizes_the_window_has_forgotten() -> None:
 
 def test_a_speed_change_forgets_the_anchors() -> None:
     fitter = NodeFitter()
-    for b in [160] * 5 + [2] * 60:
-        fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b)
-    assert 160.0 in fitter.batch_sizes()
+    for b in [160] * 5 + [2] * 64:
+        fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b, remember=b == 160)
+    assert fitter.batch_sizes() == [2.0, 160.0]  # 160 only as an anchor now
     for _ in range(20):
         fitter.add(2, 2 * (0.02 + 0.0002), 2 * (0.03 + 0.0004))  # 2x slower from now on
     model = fitter.fit()
     assert model is not None and fitter.batch_sizes() == [2.0]
     assert model.forward_time(2) + model.backward_time(2) == pytest.approx(2 * 0.0506, rel=0.01)
+
+
+def test_only_remembered_batch_sizes_anchor_the_fit() -> None:
+    fitter = NodeFitter()
+    for b in [160] * 5 + [2] * 64:
+        fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b)
+    assert fitter.batch_sizes() == [2.0] and fitter.level_count(160) == 0
+    assert fitter.slope_error() == math.inf
+
+
+def test_remembered_batch_sizes_keep_the_spread() -> None:
+    # past ``levels`` batch sizes, the one nearest its neighbours goes, never the extremes
+    fitter = NodeFitter(levels=4)
+    for b in (1, 160, 80, 81, 82, 3):
+        for _ in range(3):
+            fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b, remember=True)
+    # 82 came: 80, 81, 82 are 1 apart and 80 is the oldest; 3 came: 81 and 82, 81 older
+    assert [b for b in (1, 3, 80, 81, 82, 160) if fitter.level_count(b)] == [1, 3, 82, 160]
+    assert fitter.nearest_level(150) == 160.0 and fitter.level_count(160) == 3

@@ -367,10 +367,14 @@ def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False) 
     optimum over ``[0, max_batch]``); with larger minima (a non-convex set), workers the
     zero-floored optimum gives fewer than their minimum get 0 and the rest are split again
     until none is short (never worse than :func:`optimal_split`; exact in 99% of the
-    enumerated cases of ``tests/test_optperf.py``). Compares predicted step times
-    (:meth:`ClusterModel.step_time`), or with ``expected`` the expected ones of noisy
-    workers (:meth:`ClusterModel.expected_step_time`: a worker at a few samples still adds
-    its noise to the step's maximum). A total below the sum of the minima is split with zeros.
+    enumerated cases of ``tests/test_optperf.py``). The workers given 0 are left out of
+    the split of the rest, so when one's fixed time sets the step the others are still
+    balanced among themselves (by the max of the means any split under it would do, and
+    a stale model of the idle worker then left the others at 1.24x their best). Compares
+    predicted step times (:meth:`ClusterModel.step_time`), or with ``expected`` the
+    expected ones of noisy workers (:meth:`ClusterModel.expected_step_time`: a worker at a
+    few samples still adds its noise to the step's maximum). A total below the sum of the
+    minima is split with zeros.
     """
     nodes = cluster.nodes
     plan = None
@@ -378,7 +382,7 @@ def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False) 
         plan = optimal_split(cluster, total_batch)
         if not any(0 < b == n.min_batch for b, n in zip(plan.local_batches, nodes, strict=True)):
             return plan
-    dropped: set[int] = set()  # workers the zero-floored optimum gave under their minimum
+    dropped: set[int] = set()  # workers planned 0
     while True:
         rest = [i for i in range(len(nodes)) if i not in dropped]
         sub = ClusterModel(nodes=[dataclasses.replace(nodes[i], min_batch=0) for i in rest],
@@ -389,8 +393,11 @@ def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False) 
             if plan is None:
                 raise
             return plan
+        # below the minimum (0 included): 0 for good, and the rest split again among
+        # themselves; when a dropped worker's fixed time sets the step, any split of the
+        # others under it is as fast by the max of the means, and this balances them
         short = {i for i, b in zip(rest, part.local_batches, strict=True)
-                 if 0 < b < nodes[i].min_batch}
+                 if b < max(nodes[i].min_batch, 1)}
         if not short:
             break
         dropped |= short

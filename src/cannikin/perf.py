@@ -449,10 +449,10 @@ class NodeFitter:
     Once a plan holds, the window fills with one or two batch sizes and forgets the
     warm-up's even split; a slope fitted to 1-2 samples under noise was 5-20x the truth on
     real workers, and the model then predicted the even split 13x too slow. So the latest
-    ``level_samples`` measurements at each of the last ``levels`` distinct batch sizes are
-    kept too, and the median of every such batch size that the window no longer holds
-    (with at least ``anchor_min_samples`` measurements) joins the fit as an anchor.
-    A change of speed forgets the anchors with the older samples.
+    ``level_samples`` measurements ``add``-ed with ``remember`` at each of up to ``levels``
+    distinct batch sizes are kept too, and the median of every such batch size that the
+    window no longer holds (with at least ``anchor_min_samples`` measurements) joins the
+    fit as an anchor. A change of speed forgets the anchors with the older samples.
 
     Before two distinct batch sizes are known the model is proportional to the
     measurements (``F(b) = F(b*) * b / b*``) or, once a two-size fit exists, that fit's
@@ -535,11 +535,15 @@ class NodeFitter:
         r = 1.4826 * float(np.median(np.abs(log_ratio - np.median(log_ratio))))
         return r / math.sqrt(sxx) / slope
 
-    def add(self, batch: float, fwd_s: float, bwd_s: float) -> bool:
+    def add(self, batch: float, fwd_s: float, bwd_s: float, remember: bool = False) -> bool:
         """Record one step's measurement; returns False (and logs) if it is rejected.
 
-        Rejected: a non-finite or negative batch or time. Never raises, so a bad timer
-        reading cannot stop training.
+        ``remember``: also keep it beyond the window, as a measurement at its batch size
+        (for batch sizes chosen regardless of the measurements: the warm-up's even split,
+        a probe). Batch sizes a plan chose are not remembered: a plan keeps a worker's
+        batch while its times look low, so their medians ran 10-15% fast in the planner
+        tests. Rejected: a non-finite or negative batch or time. Never raises, so a bad
+        timer reading cannot stop training.
         """
         values = (float(batch), float(fwd_s), float(bwd_s))
         if not all(math.isfinite(v) and v >= 0 for v in values):
@@ -549,7 +553,8 @@ class NodeFitter:
             )
             return False
         self._samples.append(values)
-        self._remember(values)
+        if remember:
+            self._remember(values)
         return True
 
     def _remember(self, values: tuple[float, float, float]) -> None:
@@ -623,8 +628,6 @@ class NodeFitter:
                 self._samples.popleft()
             self._levels.clear()
             self._medians.clear()
-            for row in self._samples:
-                self._remember(row)
             data = data[start:]
             anchors = anchors[:0]
             params = self._params(data, anchors)

@@ -58,9 +58,6 @@ PLAN_HOLD = 0.003
 """A re-plan keeps the split in force while the new model predicts it within this fraction
 of the new optimum: timing noise moves the optimum by a sample now and then, and each
 move would reset the cadence and the measuring (MEASURE_STRIDE) for nothing."""
-PROBE_SNAP = 0.1
-"""A probe goes to a batch size measured before when one is within this fraction of its
-target, so that repeated probes fill one batch size's measurements (and then stop)."""
 _STATE_VERSION = 1
 
 
@@ -226,7 +223,7 @@ class PlannerConfig:
     """Per-worker device name, the key of cached models; () for "worker<i>"."""
     gns_smoothing: float = 0.9
     """Per-step smoothing of the noise-scale average (see NoiseScaleTracker)."""
-    probe_error: float | None = 0.1
+    probe_error: float | None = 0.15
     """Once a plan holds, a worker whose measurements pin its time per sample down only to
     worse than this relative standard error (:meth:`NodeFitter.slope_error`) is planned a
     different batch for one re-plan interval (a probe: the even share, or twice or half its
@@ -235,6 +232,9 @@ class PlannerConfig:
     100/50/25% workers the model predicted the even split 13x too slow. None: no probes."""
     probe_every: int = 100
     """Steps from one probe to the next, at least (a probe's steps are slower)."""
+    probe_snap: float = 0.1
+    """A probe goes to a batch size measured before when one is within this fraction of its
+    target, so that repeated probes fill one batch size's measurements (and then stop)."""
     costly_speedup: float = 1.01
     """A worker planned 0 samples is reported (logged once, ``PlanRecord.costly``) when the
     step is predicted at least this many times faster without it."""
@@ -276,6 +276,8 @@ class PlannerConfig:
             raise ValueError(f"probe_error must be > 0 or None, got {self.probe_error}")
         if not self.costly_speedup >= 1.0:
             raise ValueError(f"costly_speedup must be >= 1, got {self.costly_speedup}")
+        if not 0 <= self.probe_snap < 1:
+            raise ValueError(f"probe_snap must be in [0, 1), got {self.probe_snap}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
         if self.min_local * self.world_size > self.init_batch:
@@ -331,6 +333,9 @@ class Planner:
         default=None, init=False)  # the last predicted() of the model in force, reused
     _costly_said: set[int] = field(default_factory=set, init=False)  # logged once each
     _last_probe: int | None = field(default=None, init=False)  # step of the latest probe
+    _remember: tuple[bool, bool] = field(default=(False, False), init=False)
+    """Whether the previous and the current step's split was chosen regardless of the
+    measurements (the warm-up's even split, a probe): their timings are remembered."""
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -401,6 +406,9 @@ class Planner:
             raise ValueError(f"expected {self.config.world_size} worker reports, got "
                              f"{len(reports)}")
         previous = [r.previous for r in reports]
+        reason = self.current.reason
+        self._remember = (self._remember[1], self.current.nodes is None
+                          or reason.startswith("probe"))
         if all(p is not None for p in previous):
             done = [p for p in previous if p is not None]
             active = [p for p in done if p.batch > 0]
@@ -419,7 +427,7 @@ class Planner:
         measured = _median([t.step_s for t in timings])
         for fitter, t in zip(self.fitters, timings, strict=True):
             if t.batch > 0:
-                fitter.add(t.batch, t.fwd_s, t.bwd_s)
+                fitter.add(t.batch, t.fwd_s, t.bwd_s, remember=self._remember[0])
         self._add_comm([t for t in timings if t.batch > 0])
         self._check_drift(timings)
         if self._pending is not None and math.isfinite(measured):
@@ -581,7 +589,7 @@ class Planner:
             if cap is not None:
                 target = min(target, cap)
             near = fitter.nearest_level(target)
-            if near is not None and abs(near - target) <= PROBE_SNAP * target:
+            if near is not None and abs(near - target) <= cfg.probe_snap * target:
                 target = int(near)  # fill a batch size measured before, not a new one
             if target == b or fitter.level_count(target) >= fitter.level_samples:
                 continue  # nothing to add: the probe's batch size is measured in full
@@ -615,6 +623,14 @@ class Planner:
         if not np.all(fits & (now <= bounds.hi)):
             return plan  # a cap came down: the old split no longer fits
         kept = float(cluster.step_time(list(current)))
+        idle = (now == 0) & (np.asarray(plan.local_batches) == 0)
+        if np.any(idle):
+            # idle in both: their fixed time is no reason to keep a split of the others
+            # that the new plan beats among themselves (the max of all would be flat)
+            busy_kept = float(np.max(cluster.node_times(list(current))[~idle]))
+            busy_new = float(np.max(cluster.node_times(list(plan.local_batches))[~idle]))
+            if busy_kept > (1.0 + PLAN_HOLD) * busy_new:
+                return plan
         if kept <= (1.0 + PLAN_HOLD) * plan.step_time:
             return Plan(local_batches=current, step_time=kept)
         return plan
