@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -14,13 +15,17 @@ from cannikin.optperf import (
     Splitter,
     _hand_out,
     _hand_out_heap,
+    costly_workers,
     even_split,
     optimal_split,
     proportional_split,
     step_time_curve,
+    without_worker,
+    zero_split,
 )
 from cannikin.perf import ClusterModel, CommModel, NodeModel
 from references import lp_bound
+from test_perf import timeline_step_time
 
 
 def random_cluster(rng: np.random.Generator, n: int, m: int, cap: int = 200) -> ClusterModel:
@@ -287,3 +292,164 @@ def test_properties(case: tuple[ClusterModel, int]) -> None:
     for baseline in (even_split(cluster, total), proportional_split(cluster, total)):
         if within_bounds(cluster, baseline.local_batches):
             assert plan.step_time <= baseline.step_time * (1 + 1e-12)
+
+
+def brute_force_with_zeros(cluster: ClusterModel, total: int) -> tuple[float, tuple[int, ...]]:
+    """The best split over b_i in {0} U [min_batch, max_batch], by enumeration."""
+    ranges = [[0, *range(max(n.min_batch, 1), (total if n.max_batch is None else n.max_batch)
+                         + 1)] for n in cluster.nodes]
+    return min((cluster.step_time(s), s) for s in itertools.product(*ranges) if sum(s) == total)
+
+
+def fixed_cost_cluster(rng: np.random.Generator, n: int, min_batch: int) -> ClusterModel:
+    """Workers up to 8x slower with fixed costs that make the slowest ones worth dropping
+    to 0 samples (random_cluster's rarely are)."""
+    nodes = []
+    for i in range(n):
+        speed = float(2 ** rng.uniform(0, 3))
+        nodes.append(NodeModel(fwd=(speed * float(rng.uniform(0.02, 0.2)),
+                                    speed * float(rng.uniform(1e-3, 1e-2))),
+                               bwd=(speed * float(rng.uniform(0.02, 0.2)),
+                                    speed * float(rng.uniform(1e-3, 2e-2))),
+                               min_batch=min_batch,
+                               max_batch=int(rng.integers(4, 12)) if rng.random() < 0.3 else None,
+                               name=f"w{i}"))
+    rho = [*np.sort(rng.uniform(0, 1, int(rng.integers(0, 3)))).tolist(), 1.0]
+    return ClusterModel(nodes=nodes, comm=CommModel(buckets=[(r, float(rng.uniform(0, 0.05)))
+                                                             for r in rho]))
+
+
+def test_zeros_allowed_match_brute_force_on_small_clusters() -> None:
+    rng = np.random.default_rng(7)
+    checked = zeros = 0
+    for _ in range(60):
+        cluster = fixed_cost_cluster(rng, int(rng.integers(2, 5)), min_batch=1)
+        for total in range(1, 13):
+            caps = [nd.max_batch for nd in cluster.nodes]
+            if None not in caps and sum(c for c in caps if c is not None) < total:
+                continue
+            plan = zero_split(cluster, total)
+            best, _ = brute_force_with_zeros(cluster, total)
+            assert sum(plan.local_batches) == total
+            assert plan.step_time == pytest.approx(best, rel=1e-12)
+            assert plan.step_time == pytest.approx(cluster.step_time(plan.local_batches),
+                                                   rel=1e-12)
+            if total >= cluster.size:  # optimal_split cannot go below min_batch = 1 here
+                assert plan.step_time <= optimal_split(cluster, total).step_time
+            zeros += 0 in plan.local_batches and total >= cluster.size
+            checked += 1
+    print(f"zero_split = brute force on {checked} cases, {zeros} with a worker at 0 "
+          "where every worker could have had one")
+    assert checked > 500 and zeros > 100
+
+
+def test_zeros_with_a_larger_minimum_are_valid_and_never_worse() -> None:
+    # b_i in {0} U [2, cap]: not a convex set, zero_split is a heuristic here; it must be
+    # valid, never worse than optimal_split, and is compared with the enumeration
+    rng = np.random.default_rng(8)
+    exact = checked = 0
+    for _ in range(40):
+        cluster = fixed_cost_cluster(rng, int(rng.integers(2, 5)), min_batch=2)
+        for total in range(2 * cluster.size, 15):
+            caps = [nd.max_batch for nd in cluster.nodes]
+            if None not in caps and sum(c for c in caps if c is not None) < total:
+                continue
+            plan = zero_split(cluster, total)
+            assert sum(plan.local_batches) == total
+            assert all(b == 0 or b >= 2 for b in plan.local_batches), plan
+            assert plan.step_time <= optimal_split(cluster, total).step_time
+            best, _ = brute_force_with_zeros(cluster, total)
+            exact += plan.step_time == pytest.approx(best, rel=1e-12)
+            checked += 1
+    print(f"min_batch 2: zero_split exact in {exact} of {checked} cases")
+    assert checked > 150 and exact >= 0.95 * checked
+
+
+def test_zero_split_leaves_plans_without_a_worker_at_its_minimum_alone() -> None:
+    rng = np.random.default_rng(9)
+    for _ in range(200):
+        cluster = random_cluster(rng, int(rng.integers(1, 6)), int(rng.integers(1, 4)))
+        lo, hi = bounds(cluster, 300)
+        total = int(rng.integers(lo, min(hi, 300) + 1))
+        plan = optimal_split(cluster, total)
+        if not any(0 < b == nd.min_batch
+                   for b, nd in zip(plan.local_batches, cluster.nodes, strict=True)):
+            assert zero_split(cluster, total) == plan
+
+
+def test_costly_worker_what_if_matches_an_independent_computation() -> None:
+    # worker 2 is 4x slower with a fixed cost above the others' whole step: it is planned 0
+    # and still sets the step; without it the all-reduce is also cheaper (ring: per-rank
+    # traffic 2(n-1)/n), so the step is faster still
+    comm = CommModel(buckets=[(0.5, 0.01), (1.0, 0.02)])
+    nodes = [NodeModel(fwd=(0.01 * k, 0.0005 * k), bwd=(0.02 * k, 0.001 * k), name=f"w{i}")
+             for i, k in enumerate((1.0, 2.0, 4.0))]
+    cluster = ClusterModel(nodes=nodes, comm=comm)
+    total = 24
+    plan = zero_split(cluster, total)
+    assert plan.local_batches[2] == 0
+    found = costly_workers(cluster, plan)
+    assert [w.rank for w in found] == [2]
+    # independent: two workers, each bucket's all-reduce at (2*1/2) / (2*2/3) of the time
+    ring = (2 * 1 / 2) / (2 * 2 / 3)
+    rest = ClusterModel(nodes=nodes[:2], comm=CommModel(buckets=[(0.5, 0.01 * ring),
+                                                                 (1.0, 0.02 * ring)]))
+    alone = min(timeline_step_time(rest, [b, total - b]) for b in range(total + 1))
+    with_it = timeline_step_time(cluster, list(plan.local_batches))
+    assert found[0].without_step_time == pytest.approx(alone, rel=1e-12)
+    assert found[0].step_time == pytest.approx(with_it, rel=1e-12)
+    assert found[0].cost_s == pytest.approx(with_it - alone, rel=1e-12)
+    assert found[0].speedup == pytest.approx(with_it / alone, rel=1e-12)
+    print(f"costly worker: {found[0].cost_s * 1e3:.1f} ms per step, "
+          f"{found[0].speedup:.2f}x faster without it")
+    assert without_worker(cluster, 2).comm.total == pytest.approx(0.03 * ring)
+    # a worker that costs nothing once at 0 (no fixed time, no communication) is not listed
+    free = [NodeModel(fwd=(0.0, 0.0005 * k), bwd=(0.0, 0.001 * k)) for k in (1.0, 1.0, 40.0)]
+    cheap = ClusterModel(nodes=free, comm=CommModel())
+    plan = zero_split(cheap, total)
+    assert plan.local_batches[2] == 0 and costly_workers(cheap, plan) == ()
+
+
+def test_costly_workers_with_noise_match_a_monte_carlo() -> None:
+    # with noisy workers both sides are expected maxima: check them by simulation
+    rng = np.random.default_rng(3)
+    comm = CommModel(buckets=[(1.0, 0.01)])
+    nodes = [NodeModel(fwd=(0.01 * k, 0.0005 * k), bwd=(0.02 * k, 0.001 * k), noise=0.2,
+                       name=f"w{i}") for i, k in enumerate((1.0, 1.0, 3.0))]
+    cluster = ClusterModel(nodes=nodes, comm=comm)
+    plan = zero_split(cluster, 40)
+    found = costly_workers(cluster, plan)
+    assert [w.rank for w in found] == [2]
+    rest = without_worker(cluster, 2)
+    split = zero_split(rest, 40).local_batches
+
+    def simulate(model: ClusterModel, local: tuple[int, ...]) -> float:
+        compute = np.array([nd.forward_time(b) + nd.backward_time(b)
+                            for nd, b in zip(model.nodes, local, strict=True)])
+        draws = compute * (1 + 0.2 * rng.standard_normal((400_000, compute.size)))
+        return float(np.mean(draws.max(axis=1))) + model.comm.total
+
+    assert found[0].step_time == pytest.approx(simulate(cluster, plan.local_batches), rel=2e-3)
+    assert found[0].without_step_time == pytest.approx(simulate(rest, split), rel=2e-3)
+
+
+def test_zero_split_by_expected_time_picks_the_candidate_with_the_smaller_expectation() -> None:
+    rng = np.random.default_rng(10)
+    differ = 0
+    for _ in range(60):
+        base = fixed_cost_cluster(rng, int(rng.integers(2, 5)), min_batch=1)
+        noisy = ClusterModel(nodes=[dataclasses.replace(nd, noise=float(rng.uniform(0, 0.4)))
+                                    for nd in base.nodes], comm=base.comm)
+        for total in range(base.size, 13):
+            caps = [nd.max_batch for nd in base.nodes]
+            if None not in caps and sum(c for c in caps if c is not None) < total:
+                continue
+            assert zero_split(base, total, expected=True) == zero_split(base, total)
+            candidates = {optimal_split(noisy, total).local_batches,
+                          zero_split(noisy, total).local_batches}
+            got = zero_split(noisy, total, expected=True).local_batches
+            assert got in candidates
+            assert noisy.expected_step_time(list(got)) == min(
+                noisy.expected_step_time(list(c)) for c in candidates)
+            differ += got != zero_split(noisy, total).local_batches
+    print(f"the expected step time chose differently from the means in {differ} cases")

@@ -15,6 +15,7 @@ from cannikin.perf import (
     NodeFitter,
     NodeModel,
     PredictionTracker,
+    expected_max,
 )
 
 
@@ -338,3 +339,117 @@ def test_fit_predicts_later_steps() -> None:
         assert window == 0 or len(tracker.window_errors()) == window
     assert tracker.median_window_error() < 0.03
     assert tracker.median_step_error() < 0.08
+
+
+@pytest.mark.parametrize(("means", "sds"), [
+    ([0.1, 0.1, 0.1], [0.025, 0.025, 0.025]),  # balanced, 25% noise: +0.85 sd
+    ([0.10, 0.09, 0.12, 0.05], [0.03, 0.001, 0.002, 0.02]),  # one sure-slowest, mixed sds
+    ([0.2, 0.1], [0.0, 0.05]),  # a deterministic worker as the floor
+    ([1.0, 1.0], [1e-3, 1.0]),  # sds 1000x apart
+    (np.linspace(0.09, 0.1, 64).tolist(), np.full(64, 0.02).tolist()),  # many contenders
+])
+def test_expected_max_matches_a_monte_carlo(means: list[float], sds: list[float]) -> None:
+    rng = np.random.default_rng(0)
+    draws = rng.normal(means, sds, size=(400_000, len(means))).max(axis=1)
+    se = float(draws.std()) / math.sqrt(draws.size)
+    got = expected_max(means, sds)
+    assert abs(got - float(draws.mean())) < 4 * se + 1e-12, (got, float(draws.mean()), se)
+
+
+def test_expected_max_of_noise_free_workers_is_the_max() -> None:
+    assert expected_max([0.1, 0.3, 0.2], [0.0, 0.0, 0.0]) == 0.3
+    # a noisy worker far below a deterministic one cannot be the max
+    assert expected_max([0.3, 0.1], [0.0, 0.01]) == pytest.approx(0.3, rel=1e-12)
+
+
+def test_expected_step_time_matches_a_monte_carlo_of_noisy_compute() -> None:
+    # each worker's compute (forward + its binding share of the backward) is noisy; the
+    # communication left after its binding bucket is not. Two regimes: compute-bound and
+    # communication-bound (the first bucket binds for the fast worker).
+    rng = np.random.default_rng(1)
+    comm = CommModel(buckets=[(0.3, 0.05), (1.0, 0.01)])
+    nodes = [NodeModel(fwd=(0.01 * k, 0.001 * k), bwd=(0.02 * k, 0.002 * k), noise=noise)
+             for k, noise in ((1.0, 0.25), (2.0, 0.1), (3.0, 0.3))]
+    cluster = ClusterModel(nodes=nodes, comm=comm)
+    for split in ([30, 12, 6], [10, 10, 10], [40, 4, 1]):
+        arr = cluster.arrays
+        lines = arr.offsets + arr.slopes * np.array(split, dtype=float)[:, None]
+        j = np.argmax(lines, axis=1)
+        left = arr.comm_left[j]
+        compute = lines[np.arange(3), j] - left
+        noise = np.array([n.noise for n in nodes])
+        draws = (left + compute * (1 + noise * rng.standard_normal((400_000, 3)))).max(axis=1)
+        se = float(draws.std()) / math.sqrt(draws.size)
+        got = cluster.expected_step_time(split)
+        assert abs(got - float(draws.mean())) < 4 * se, (split, got, float(draws.mean()))
+        assert got >= cluster.step_time(split)
+    quiet = ClusterModel(nodes=[NodeModel(fwd=n.fwd, bwd=n.bwd) for n in nodes], comm=comm)
+    assert quiet.expected_step_time([30, 12, 6]) == quiet.step_time([30, 12, 6])
+
+
+def test_fitted_noise_is_the_relative_timing_noise() -> None:
+    rng = np.random.default_rng(2)
+    fitter = NodeFitter()
+    for _ in range(64):
+        b = int(rng.integers(8, 64))
+        k = math.exp(0.2 * rng.standard_normal())
+        fitter.add(b, (0.01 + 0.001 * b) * k, (0.02 + 0.002 * b) * k)
+    model = fitter.fit()
+    assert model is not None and model.noise == pytest.approx(0.2, rel=0.25)
+    exact = NodeFitter()
+    for b in (8, 16, 32, 8, 16, 32, 8, 16, 32):
+        exact.add(b, 0.01 + 0.001 * b, 0.02 + 0.002 * b)
+    model = exact.fit()
+    assert model is not None and model.noise == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_fit_keeps_batch_sizes_the_window_has_forgotten() -> None:
+    # a plan holds at 1-2 samples after a warm-up at 160: with the window alone the slope
+    # comes from 1 vs 2 samples under 25% noise; the warm-up's median anchors it (the
+    # plan's own batch sizes are not remembered: it chose them by the measurements)
+    rng = np.random.default_rng(3)
+    slopes = []
+    for _ in range(20):
+        fitter = NodeFitter()
+        for step, b in enumerate([160] * 3 + [int(v) for v in rng.integers(1, 3, 200)]):
+            k = np.exp(0.25 * rng.standard_normal(2))
+            fitter.add(b, (0.02 + 0.0001 * b) * k[0], (0.03 + 0.0002 * b) * k[1],
+                       remember=step < 3)  # the warm-up, chosen regardless of the times
+        assert fitter.batch_sizes() == [1.0, 2.0, 160.0]
+        model = fitter.fit()
+        assert model is not None
+        slopes.append(model.fwd[1] + model.bwd[1])
+    print(f"slope with the anchor: median {np.median(slopes) * 1e3:.2f} ms/sample "
+          f"(true 0.30), range {min(slopes) * 1e3:.2f}-{max(slopes) * 1e3:.2f}")
+    assert np.median(slopes) == pytest.approx(0.0003, rel=0.2)
+
+
+def test_a_speed_change_forgets_the_anchors() -> None:
+    fitter = NodeFitter()
+    for b in [160] * 5 + [2] * 64:
+        fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b, remember=b == 160)
+    assert fitter.batch_sizes() == [2.0, 160.0]  # 160 only as an anchor now
+    for _ in range(20):
+        fitter.add(2, 2 * (0.02 + 0.0002), 2 * (0.03 + 0.0004))  # 2x slower from now on
+    model = fitter.fit()
+    assert model is not None and fitter.batch_sizes() == [2.0]
+    assert model.forward_time(2) + model.backward_time(2) == pytest.approx(2 * 0.0506, rel=0.01)
+
+
+def test_only_remembered_batch_sizes_anchor_the_fit() -> None:
+    fitter = NodeFitter()
+    for b in [160] * 5 + [2] * 64:
+        fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b)
+    assert fitter.batch_sizes() == [2.0] and fitter.level_count(160) == 0
+    assert fitter.slope_error() == math.inf
+
+
+def test_remembered_batch_sizes_keep_the_spread() -> None:
+    # past ``levels`` batch sizes, the one nearest its neighbours goes, never the extremes
+    fitter = NodeFitter(levels=4)
+    for b in (1, 160, 80, 81, 82, 3):
+        for _ in range(3):
+            fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b, remember=True)
+    # 82 came: 80, 81, 82 are 1 apart and 80 is the oldest; 3 came: 81 and 82, 81 older
+    assert [b for b in (1, 3, 80, 81, 82, 160) if fitter.level_count(b)] == [1, 3, 82, 160]
+    assert fitter.nearest_level(150) == 160.0 and fitter.level_count(160) == 3

@@ -5,7 +5,10 @@ noise and fed to the planner as the runtime does (each step's timings arrive wit
 step's exchange). Against it: a worker that reports NaN, inf or negative times; single
 10x straggler steps; a worker whose speed halves mid-run. Every plan must be valid (sums
 to B, within the local bounds and caps); outliers must not move it; drift must be followed
-within DRIFT_BOUND_STEPS. Quality is the true step time of the plan over the true optimum.
+within DRIFT_BOUND_STEPS. Quality is the true step time of the plan over the true optimum;
+NaN on the steps of a probe (PlannerConfig.probe_error: one re-plan interval off the optimum
+on purpose, to measure a worker at another batch size), which the near-optimal checks skip
+(their cost is bounded in tests/test_planner_model.py).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def drive(speeds_at: Callable[[int], Sequence[float]], seed: int,
         cluster = truth(speeds_at(step))
         split = planner.split_for(planner.total_batch)
         splits.append(split)
-        quality.append(cluster.step_time(list(split)) / optimal_split(cluster, B).step_time)
+        quality.append(math.nan if planner.current.reason.startswith("probe") else
+                       cluster.step_time(list(split)) / optimal_split(cluster, B).step_time)
         planner.observe(step, [WorkerReport(batch=b, previous=p)
                                for b, p in zip(split, previous, strict=True)], previous_global)
         measured = list(measure(cluster, split, rng))
@@ -128,7 +132,7 @@ def test_non_finite_or_negative_times_are_ignored(value: float) -> None:
         splits, quality = drive(steady, seed, bad_timer(value))
         assert_valid(splits)
         assert settled_at(quality, 0) <= 30, (seed, quality)  # converges as with clean data
-        assert max(quality[30:]) <= NEAR_OPTIMAL
+        assert np.nanmax(quality[30:]) <= NEAR_OPTIMAL
 
 
 STRAGGLERS = (40, 41, 77, 120)
@@ -163,7 +167,7 @@ def test_ten_x_straggler_steps_do_not_swing_the_plan() -> None:
         drive(steady, seed, inspect=predictions(clean_fit))
         splits, quality = drive(steady, seed, straggle, inspect=predictions(hit_fit))
         assert_valid(splits)
-        assert max(quality[30:]) <= NEAR_OPTIMAL, (seed, quality)
+        assert np.nanmax(quality[30:]) <= NEAR_OPTIMAL, (seed, quality)
         worst = max(worst, *(abs(hit_fit[s] / clean_fit[s] - 1) for s in clean_fit))
     print(f"10x straggler: worst change of the straggler's fitted time {worst:.1%}")
     assert worst < 0.03
@@ -183,7 +187,7 @@ def test_a_two_x_drift_is_followed_within_a_bounded_number_of_steps(
     for seed in SEEDS:
         splits, quality = drive(speeds, seed)
         assert_valid(splits)
-        assert max(quality[30:drift_at]) <= NEAR_OPTIMAL
+        assert np.nanmax(quality[30:drift_at]) <= NEAR_OPTIMAL
         followed.append(settled_at(quality, drift_at))
     print(f"drift of worker {worker} x{factor}: followed after {followed} steps")
     assert max(followed) <= DRIFT_BOUND_STEPS, followed
@@ -231,7 +235,7 @@ def test_a_held_plan_stays_near_optimal_under_heavy_noise_for_long() -> None:
     for seed in SEEDS:
         splits, quality = drive(steady, seed, noisy(seed), steps=LONG_RUN_STEPS)
         assert_valid(splits)
-        worst.append(max(quality[50:]))
+        worst.append(float(np.nanmax(quality[50:])))
     print(f"25% noise, {LONG_RUN_STEPS} steps: worst plan after step 50 / optimum "
           f"{[round(w, 3) for w in worst]}")
     assert max(worst) <= 1.15, worst

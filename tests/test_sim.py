@@ -275,6 +275,26 @@ def test_plan_cli_example_cluster(capsys) -> None:
     assert "predicted step time" in out and out.count("A100") >= 4
 
 
+def test_plan_cli_names_a_worker_that_slows_the_step_at_zero(tmp_path: Path, capsys) -> None:
+    # resnet18 on the straggler cluster at B = 64: communication dominates, the two T4s get
+    # 0 samples and each still costs its all-reduce share of a ring of 8
+    example = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "straggler.toml"
+    out_json = tmp_path / "plan.json"
+    assert _cli(["plan", "--cluster", str(example), "--batch", "64", "--workload",
+                 "resnet18-cifar10", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    payload = json.loads(out_json.read_text())
+    costly = payload["costly_workers"]
+    assert [w["worker"] for w in costly] == [6, 7]
+    assert all(payload["local_batches"][w["worker"]] == 0 for w in costly)
+    for w in costly:
+        assert f"worker {w['worker']} (T4) gets 0 samples and still costs" in out
+        with_it = w["cost_s"] + w["step_time_without_s"]
+        assert with_it == pytest.approx(payload["predicted_step_time_s"], rel=1e-12)
+        assert w["speedup_without"] == pytest.approx(with_it / w["step_time_without_s"])
+        assert w["speedup_without"] >= 1.01
+
+
 def test_cannikin_matches_adaptdl_when_homogeneous_and_wins_when_not() -> None:
     wl = short("bert-base-squad", epochs=0.5)
     cfg = SimConfig(seed=0)

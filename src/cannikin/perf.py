@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+import statistics
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -83,7 +84,10 @@ class NodeModel:
 
     ``fwd=(f0, f1)`` covers forward, data loading and the optimiser step; ``bwd=(k0, k1)``
     the backward compute. ``min_batch``/``max_batch`` bound the local batch (``max_batch``
-    is the memory cap; ``None`` means unbounded).
+    is the memory cap; ``None`` means unbounded). ``noise`` is the relative standard
+    deviation of its compute time from step to step (0: deterministic): a step waits for
+    the slowest worker *of that step*, so noise raises the expected step time above the
+    max of the means (:meth:`ClusterModel.expected_step_time`).
     """
 
     fwd: tuple[float, float]
@@ -91,6 +95,7 @@ class NodeModel:
     max_batch: int | None = None
     min_batch: int = 1
     name: str = ""
+    noise: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fwd", _check_line("fwd", self.fwd, self.name))
@@ -107,6 +112,10 @@ class NodeModel:
                     f"integer >= max(min_batch, 1) = {max(self.min_batch, 1)}"
                 )
             object.__setattr__(self, "max_batch", int(self.max_batch))
+        noise = float(self.noise)
+        if not (math.isfinite(noise) and noise >= 0):
+            raise ValueError(f"node {self.name!r}: noise={self.noise!r} must be finite and >= 0")
+        object.__setattr__(self, "noise", noise)
 
     def forward_time(self, batch: float) -> float:
         """Predicted forward seconds at local batch ``batch``."""
@@ -241,6 +250,26 @@ class ClusterModel:
         """Predicted seconds of one synchronous step with these local batches (DESIGN §1)."""
         return float(np.max(self.node_times(local_batches)))
 
+    def expected_step_time(self, local_batches: npt.ArrayLike) -> float:
+        """Expected seconds of one step when each worker's compute is noisy (``noise``).
+
+        The step ends with the slowest worker of that step, so at a balanced split the
+        mean step time is the expected maximum of the workers' times, not the max of their
+        means (12-26% more, measured on real 3-worker clusters). Worker i's share is taken
+        as normal with mean :meth:`node_times` and standard deviation ``noise_i`` times its
+        compute part (the communication left after its binding bucket is not its own
+        noise); equals :meth:`step_time` when no worker is noisy.
+        """
+        means = self.node_times(local_batches)
+        arr = self.arrays
+        if not np.any(arr.noise > 0):
+            return float(np.max(means))
+        b = np.asarray(local_batches, dtype=np.float64)
+        lines = arr.offsets + arr.slopes * b[:, None]
+        binding = np.argmax(lines, axis=1)
+        compute = means - arr.comm_left[binding]
+        return expected_max(means, arr.noise * np.maximum(compute, 0.0))
+
 
 @dataclass(frozen=True, eq=False)
 class ClusterArrays:
@@ -256,6 +285,10 @@ class ClusterArrays:
     slopes: FloatArray
     lo: FloatArray
     hi: FloatArray
+    comm_left: FloatArray
+    """``R_j`` of each binding bucket, shape (m',): the part of ``offsets`` that is not compute."""
+    noise: FloatArray
+    """Each worker's relative compute noise (:attr:`NodeModel.noise`), shape (n,)."""
 
     @staticmethod
     def of(cluster: ClusterModel) -> ClusterArrays:
@@ -271,56 +304,134 @@ class ClusterArrays:
             [np.inf if n.max_batch is None else n.max_batch for n in cluster.nodes],
             dtype=np.float64,
         )
-        return ClusterArrays(offsets=offsets, slopes=slopes, lo=lo, hi=hi)
+        noise = np.array([n.noise for n in cluster.nodes], dtype=np.float64)
+        return ClusterArrays(offsets=offsets, slopes=slopes, lo=lo, hi=hi,
+                             comm_left=remaining, noise=noise)
 
 
-def _robust_line(b: FloatArray, y: FloatArray) -> tuple[float, float]:
-    """Fit ``y = intercept + slope*b`` robustly; ``b`` must hold >= 2 distinct values.
+# Normal tails beyond this many standard deviations are left out of the expected maximum
+# (probability < 1e-15 each).
+_TAIL_SIGMAS = 8.0
+# The expected maximum is integrated on at least 4 points per smallest standard deviation
+# in play, between these bounds on the number of points (Simpson's rule; the error against
+# a 10^6-draw Monte Carlo is below its own 0.05% in tests/test_perf.py).
+_MIN_POINTS, _MAX_POINTS = 64, 4096
+
+
+def _normal_cdf(z: FloatArray) -> FloatArray:
+    """Phi(z) to a relative error under 1.2e-7 (Numerical Recipes' erfc; numpy has none,
+    and the planning code must not need scipy)."""
+    x = np.abs(z) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.5 * x)
+    poly = -x * x - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    tail = 0.5 * t * np.exp(poly)  # Phi(-|z|)
+    result: FloatArray = np.where(z < 0, tail, 1.0 - tail)
+    return result
+
+
+def expected_max(means: npt.ArrayLike, sds: npt.ArrayLike) -> float:
+    """``E[max_i X_i]`` for independent normal ``X_i ~ N(means_i, sds_i^2)`` (sd 0: constant).
+
+    ``E[max] = lo + integral_lo^hi (1 - prod_i Phi((t - mu_i) / sd_i)) dt`` with ``lo`` the
+    point below which the product is 0 (some worker is surely later) and ``hi`` the one
+    above which it is 1; only workers whose upper tail reaches past ``lo`` take part, so a
+    large cluster with a few contenders costs little.
+    """
+    mu = np.asarray(means, dtype=np.float64)
+    sd = np.asarray(sds, dtype=np.float64)
+    noisy = sd > 0
+    if not np.any(noisy):
+        return float(np.max(mu))
+    lo = float(np.max(np.where(noisy, mu - _TAIL_SIGMAS * sd, mu)))
+    hi = float(np.max(mu + _TAIL_SIGMAS * sd))
+    contenders = noisy & (mu + _TAIL_SIGMAS * sd > lo)
+    if hi <= lo or not np.any(contenders):
+        return lo
+    mu, sd = mu[contenders], sd[contenders]
+    points = int(np.clip(math.ceil(4 * (hi - lo) / float(np.min(sd))), _MIN_POINTS, _MAX_POINTS))
+    points += points % 2 == 0  # Simpson needs an odd count
+    t = np.linspace(lo, hi, points)
+    below = np.prod(_normal_cdf((t[:, None] - mu[None, :]) / sd[None, :]), axis=1)
+    weights = np.ones(points)
+    weights[1:-1:2], weights[2:-1:2] = 4.0, 2.0
+    return lo + float(np.dot(weights, 1.0 - below)) * (hi - lo) / (3 * (points - 1))
+
+
+def _robust_line(b: FloatArray, y: FloatArray, anchor_b: FloatArray | None = None,
+                 anchor_y: FloatArray | None = None,
+                 anchor_weight: FloatArray | None = None) -> tuple[float, float]:
+    """Fit ``y = intercept + slope*b`` robustly; ``b`` and ``anchor_b`` together must hold
+    >= 2 distinct values.
 
     Theil-Sen (median of pairwise slopes, 29% breakdown) gives a first line; residuals
     beyond ``OUTLIER_SIGMAS`` robust standard deviations are dropped; least squares on the
     rest, its slope shrunk toward the proportional model (:func:`_shrunk_line`), gives the
     final estimate. Slope and intercept are kept >= 0 (physical times), refitting through
-    the origin when the intercept would be negative.
+    the origin when the intercept would be negative. Anchors (``anchor_b``, ``anchor_y``:
+    medians at batch sizes the window no longer holds, see :class:`NodeFitter`; each
+    worth ``anchor_weight`` samples) join the least squares but not the outlier test:
+    they are robust already, and a first line from a narrow window would reject the far
+    ones that carry the slope.
     """
     i, j = np.triu_indices(b.size, k=1)
     db = b[j] - b[i]
     distinct = db != 0
-    slope = float(np.median((y[j] - y[i])[distinct] / db[distinct]))
+    # a window at one batch size has no slope of its own; its residuals are about its level
+    slope = float(np.median((y[j] - y[i])[distinct] / db[distinct])) if np.any(distinct) else 0.0
     intercept = float(np.median(y - slope * b))
     residual = y - (intercept + slope * b)
     centre = np.median(residual)
     scale = 1.4826 * float(np.median(np.abs(residual - centre)))
     scale += _SCALE_FLOOR * float(np.median(np.abs(y))) + np.finfo(np.float64).tiny
     inlier = np.abs(residual - centre) <= OUTLIER_SIGMAS * scale
+    bi, yi = b[inlier], y[inlier]
+    wi = None
+    if anchor_b is not None and anchor_y is not None and anchor_b.size:
+        wi = np.concatenate([np.ones(bi.size), np.ones(anchor_b.size) if anchor_weight is None
+                             else anchor_weight])
+        bi, yi = np.concatenate([bi, anchor_b]), np.concatenate([yi, anchor_y])
+        b, y = np.concatenate([b, anchor_b]), np.concatenate([y, anchor_y])
     positive = b > 0
     proportional = float(np.median(y[positive] / b[positive]))
-    if np.unique(b[inlier]).size >= 2:
-        slope, intercept = _shrunk_line(b[inlier], y[inlier], proportional)
+    if np.unique(bi).size >= 2:
+        slope, intercept = _shrunk_line(bi, yi, proportional, wi)
     floor = MIN_SLOPE_FRACTION * proportional
     if intercept < 0:
-        bi, yi = b[inlier], y[inlier]
         slope, intercept = float(np.dot(bi, yi) / np.dot(bi, bi)), 0.0
     if slope < floor:
         slope = floor
-        intercept = max(0.0, float(np.median(y[inlier] - slope * b[inlier])))
+        intercept = max(0.0, float(np.median(yi - slope * bi)))
     return intercept, slope
 
 
-def _shrunk_line(b: FloatArray, y: FloatArray, prior_slope: float) -> tuple[float, float]:
+def _shrunk_line(b: FloatArray, y: FloatArray, prior_slope: float,
+                 weights: FloatArray | None = None) -> tuple[float, float]:
     """Least squares with a Gaussian prior N(prior_slope, (SLOPE_PRIOR_SD*prior_slope)^2)
     on the slope (the posterior mean, a ridge toward the prior); ``b`` holds >= 2 distinct
     values. The prior's weight is the residual variance over the prior's, so exact
     samples give the exact line and samples spread over a wide range of batches outweigh
-    it, while a narrow range under noise cannot fit a slope near 0."""
-    db, dy = b - b.mean(), y - y.mean()
-    sxx, sxy = float(db @ db), float(db @ dy)
-    residual = dy - (sxy / sxx) * db
-    noise_var = float(residual @ residual) / max(b.size - 2, 1)
+    it, while a narrow range under noise cannot fit a slope near 0. ``weights`` (per
+    point, in samples' worth; None: 1 each) let an anchor count as the measurements its
+    median stands for."""
+    if weights is None:
+        db, dy = b - b.mean(), y - y.mean()
+        sxx, sxy = float(db @ db), float(db @ dy)
+        residual = dy - (sxy / sxx) * db
+        noise_var = float(residual @ residual) / max(b.size - 2, 1)
+        b_mean, y_mean = float(b.mean()), float(y.mean())
+    else:
+        b_mean, y_mean = float(np.average(b, weights=weights)), float(
+            np.average(y, weights=weights))
+        db, dy = b - b_mean, y - y_mean
+        sxx, sxy = float((weights * db) @ db), float((weights * db) @ dy)
+        residual = dy - (sxy / sxx) * db
+        noise_var = float((weights * residual) @ residual) / max(float(weights.sum()) - 2, 1.0)
     prior_var = (SLOPE_PRIOR_SD * prior_slope) ** 2
     weight = noise_var / prior_var if prior_var > 0 else 0.0
     slope = (sxy + weight * prior_slope) / (sxx + weight)
-    return slope, float(y.mean() - slope * b.mean())
+    return slope, y_mean - slope * b_mean
 
 
 @dataclass
@@ -334,30 +445,105 @@ class NodeFitter:
     samples (median 10 over 20 seeds, window 64; the window alone would need 46-63;
     ``tests/test_perf.py`` checks <= 36). Shifts under ``DRIFT_MIN_CHANGE`` are absorbed
     as the window rolls over.
-    Before two distinct batch sizes are in the window the model is proportional to the
+
+    Once a plan holds, the window fills with one or two batch sizes and forgets the
+    warm-up's even split; a slope fitted to 1-2 samples under noise was 5-20x the truth on
+    real workers, and the model then predicted the even split 13x too slow. So the latest
+    ``level_samples`` measurements ``add``-ed with ``remember`` at each of up to ``levels``
+    distinct batch sizes are kept too, and the median of every such batch size that the
+    window no longer holds (with at least ``anchor_min_samples`` measurements) joins the
+    fit as an anchor. A change of speed forgets the anchors with the older samples.
+
+    Before two distinct batch sizes are known the model is proportional to the
     measurements (``F(b) = F(b*) * b / b*``) or, once a two-size fit exists, that fit's
     shape rescaled to pass through the current measurements.
     """
 
     window: int = 64
+    levels: int = 16
+    """Distinct batch sizes remembered beyond the window (past it, the one adding the least
+    spread is forgotten)."""
+    level_samples: int = 9
+    """Latest measurements kept per remembered batch size (their median is its anchor)."""
+    anchor_min_samples: int = 3
+    """Measurements a batch size needs before its median anchors the fit (a median of 3
+    ignores one straggler)."""
+    noise_min_samples: int = 8
+    """Window samples needed to estimate the worker's timing noise (fewer: taken as exact)."""
     _samples: deque[tuple[float, float, float]] = field(init=False, repr=False)
+    _levels: OrderedDict[float, deque[tuple[float, float]]] = field(init=False, repr=False)
+    _medians: dict[float, tuple[float, float]] = field(default_factory=dict, init=False,
+                                                       repr=False)  # per level, until it changes
     _shape: tuple[float, float, float, float] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.window) or self.window < 2:
             raise ValueError(f"window={self.window!r} must be an integer >= 2")
+        for name in ("levels", "level_samples", "anchor_min_samples", "noise_min_samples"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.anchor_min_samples > self.level_samples:
+            raise ValueError(f"anchor_min_samples={self.anchor_min_samples} exceeds "
+                             f"level_samples={self.level_samples}")
         self._samples = deque(maxlen=self.window)
+        self._levels = OrderedDict()
 
     @property
     def num_samples(self) -> int:
         """Accepted samples currently in the window."""
         return len(self._samples)
 
-    def add(self, batch: float, fwd_s: float, bwd_s: float) -> bool:
+    def batch_sizes(self) -> list[float]:
+        """The distinct batch sizes the next fit rests on (the window's and the anchors')."""
+        held = {row[0] for row in self._samples}
+        return sorted(held | {float(a) for a in self._anchors(held)[:, 0]})
+
+    def level_count(self, batch: float) -> int:
+        """Measurements remembered at ``batch`` (at most ``level_samples``)."""
+        level = self._levels.get(float(batch))
+        return 0 if level is None else len(level)
+
+    def nearest_level(self, batch: float) -> float | None:
+        """The remembered batch size nearest ``batch`` (None before any)."""
+        return min(self._levels, key=lambda b: (abs(b - batch), b), default=None)
+
+    def slope_error(self) -> float:
+        """Relative standard error of the time per sample that the data alone give (no
+        prior): ``inf`` without two distinct batch sizes. Least squares of the total time
+        on the window and the anchors, each point's variance that of multiplicative noise
+        (``(r * time)^2`` over its samples' worth, r the robust relative noise of the
+        window's residuals): a far batch size measured a few times is worth less than
+        its count says when its times are longer."""
+        if not self._samples:
+            return math.inf
+        data = np.array(self._samples, dtype=np.float64)
+        anchors = self._anchors(set(data[:, 0].tolist()))
+        b = np.concatenate([data[:, 0], anchors[:, 0]])
+        y = np.concatenate([data[:, 1] + data[:, 2], anchors[:, 1] + anchors[:, 2]])
+        count = np.concatenate([np.ones(len(data)), anchors[:, 3]])
+        if np.unique(b).size < 2 or not np.all(y > 0):
+            return math.inf
+        w = count / (y * y)  # inverse variances, up to the common factor r^2
+        b_mean, y_mean = float(np.average(b, weights=w)), float(np.average(y, weights=w))
+        sxx = float((w * (b - b_mean)) @ (b - b_mean))
+        slope = float((w * (b - b_mean)) @ (y - y_mean)) / sxx
+        fitted = y_mean + slope * (b - b_mean)
+        if slope <= 0 or not np.all(fitted[: len(data)] > 0):
+            return math.inf
+        log_ratio = np.log(y[: len(data)] / fitted[: len(data)])
+        r = 1.4826 * float(np.median(np.abs(log_ratio - np.median(log_ratio))))
+        return r / math.sqrt(sxx) / slope
+
+    def add(self, batch: float, fwd_s: float, bwd_s: float, remember: bool = False) -> bool:
         """Record one step's measurement; returns False (and logs) if it is rejected.
 
-        Rejected: a non-finite or negative batch or time. Never raises, so a bad timer
-        reading cannot stop training.
+        ``remember``: also keep it beyond the window, as a measurement at its batch size
+        (for batch sizes chosen regardless of the measurements: the warm-up's even split,
+        a probe). Batch sizes a plan chose are not remembered: a plan keeps a worker's
+        batch while its times look low, so their medians ran 10-15% fast in the planner
+        tests. Rejected: a non-finite or negative batch or time. Never raises, so a bad
+        timer reading cannot stop training.
         """
         values = (float(batch), float(fwd_s), float(bwd_s))
         if not all(math.isfinite(v) and v >= 0 for v in values):
@@ -367,7 +553,52 @@ class NodeFitter:
             )
             return False
         self._samples.append(values)
+        if remember:
+            self._remember(values)
         return True
+
+    def _remember(self, values: tuple[float, float, float]) -> None:
+        level = self._levels.get(values[0])
+        if level is None:
+            level = self._levels[values[0]] = deque(maxlen=self.level_samples)
+            if len(self._levels) > self.levels:
+                self._forget_a_level(keep=values[0])
+        self._levels.move_to_end(values[0])
+        level.append(values[1:])
+        self._medians.pop(values[0], None)
+
+    def _forget_a_level(self, keep: float) -> None:
+        """Drop the remembered batch size that adds the least spread: the one nearest its
+        neighbours (the least recently measured among equals), never ``keep`` nor the
+        smallest or largest. The far ones carry the slope; evicting by age alone lost the
+        warm-up's even split among 1-9 samples."""
+        sizes = sorted(self._levels)
+        gap = {b: min(b - lower, upper - b)
+               for lower, b, upper in zip(sizes, sizes[1:], sizes[2:], strict=False)}
+        gap.pop(keep, None)
+        if not gap:
+            gone = next(b for b in self._levels if b != keep)
+            del self._levels[gone]
+            self._medians.pop(gone, None)
+            return
+        nearest = min(gap.values())
+        gone = next(b for b in self._levels if gap.get(b) == nearest)
+        del self._levels[gone]
+        self._medians.pop(gone, None)
+
+    def _anchors(self, held: set[float]) -> FloatArray:
+        """Rows (batch, median fwd, median bwd, weight) of the remembered batch sizes not in
+        ``held``; a median of k normal samples is worth 2k/pi of them (its variance)."""
+        rows = []
+        for b, level in self._levels.items():
+            if b in held or len(level) < self.anchor_min_samples:
+                continue
+            median = self._medians.get(b)
+            if median is None:
+                fwd, bwd = zip(*level, strict=True)
+                median = self._medians[b] = (statistics.median(fwd), statistics.median(bwd))
+            rows.append((b, *median, 2 * len(level) / math.pi))
+        return np.array(rows, dtype=np.float64).reshape(-1, 4)
 
     def fit(self, name: str = "", min_batch: int = 1, max_batch: int | None = None) -> (
         NodeModel | None
@@ -375,38 +606,52 @@ class NodeFitter:
         """The current model, or None before any sample with a non-zero batch.
 
         If the window shows a significant lasting shift in speed, the samples from before
-        it are forgotten first (the only state ``fit`` changes).
+        it (and the anchors) are forgotten first (the only state ``fit`` changes).
         """
         if not self._samples:
             return None
         data = np.array(self._samples, dtype=np.float64)
-        params = self._params(data)
+        anchors = self._anchors(set(data[:, 0].tolist()))
+        params = self._params(data, anchors)
         if params is None:
             return None
         b, total = data[:, 0], data[:, 1] + data[:, 2]
         f0, f1, k0, k1 = params
         tiny = np.finfo(np.float64).tiny
         predicted = np.maximum(f0 + k0 + (f1 + k1) * b, tiny)
-        start = _change_point(np.log(np.maximum(total, tiny) / predicted))
+        log_ratio = np.log(np.maximum(total, tiny) / predicted)
+        start = _change_point(log_ratio)
         if start:
             logger.info("node %r: speed changed %d samples ago; forgetting %d older samples",
                         name, len(self._samples) - start, start)
             for _ in range(start):
                 self._samples.popleft()
+            self._levels.clear()
+            self._medians.clear()
             data = data[start:]
-            params = self._params(data)
+            anchors = anchors[:0]
+            params = self._params(data, anchors)
             if params is None:
                 return None
             f0, f1, k0, k1 = params
-        if np.unique(data[:, 0]).size >= 2:
+            b, total = data[:, 0], data[:, 1] + data[:, 2]
+            predicted = np.maximum(f0 + k0 + (f1 + k1) * b, tiny)
+            log_ratio = np.log(np.maximum(total, tiny) / predicted)
+        if np.unique(np.concatenate([data[:, 0], anchors[:, 0]])).size >= 2:
             self._shape = params
         return NodeModel(fwd=(f0, f1), bwd=(k0, k1), min_batch=min_batch,
-                         max_batch=max_batch, name=name)
+                         max_batch=max_batch, name=name,
+                         noise=_relative_noise(log_ratio, self.noise_min_samples))
 
-    def _params(self, data: FloatArray) -> tuple[float, float, float, float] | None:
-        """``(f0, f1, k0, k1)`` from the window's samples ``data`` (rows: batch, fwd, bwd),
-        or None without a non-zero batch."""
+    def _params(self, data: FloatArray, anchors: FloatArray) -> (
+        tuple[float, float, float, float] | None
+    ):
+        """``(f0, f1, k0, k1)`` from the window's samples ``data`` (rows: batch, fwd, bwd)
+        and the ``anchors`` (rows: batch, fwd, bwd, weight), or None without a non-zero batch."""
         b, fwd, bwd = data.T
+        if anchors.size:
+            ab, af, ak, aw = anchors.T
+            return (*_robust_line(b, fwd, ab, af, aw), *_robust_line(b, bwd, ab, ak, aw))
         if np.unique(b).size >= 2:
             return (*_robust_line(b, fwd), *_robust_line(b, bwd))
         at = float(b[0])
@@ -419,6 +664,14 @@ class NodeFitter:
         if at > 0:
             return 0.0, fwd_level / at, 0.0, bwd_level / at
         return None
+
+
+def _relative_noise(log_ratio: FloatArray, min_samples: int) -> float:
+    """Robust SD (1.4826 MAD) of log(measured / predicted): the relative step-to-step noise
+    of a worker's compute, stragglers aside; 0 with fewer than ``min_samples``."""
+    if log_ratio.size < min_samples:
+        return 0.0
+    return float(1.4826 * np.median(np.abs(log_ratio - np.median(log_ratio))))
 
 
 def _change_point(log_ratio: FloatArray) -> int:

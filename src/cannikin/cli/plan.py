@@ -1,4 +1,9 @@
-"""``cannikin plan``: the optimal split of a total batch over a described cluster."""
+"""``cannikin plan``: the optimal split of a total batch over a described cluster.
+
+A worker may be planned 0 samples when the step is faster so; one that still slows the
+step at 0 (its fixed time, its share of the all-reduce) is named, with the step time the
+planner's model predicts without it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from cannikin.log import setup_logging
+
+SHOW_COSTLY = 8
+"""Workers named in the what-if lines at most; ``--json`` lists them all."""
 
 
 def register(subparsers: Any) -> None:
@@ -30,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(0, False)
     import numpy as np
 
-    from cannikin.optperf import optimal_split
+    from cannikin.optperf import costly_workers, zero_split
     from cannikin.sim import GroundTruth, cluster_from_arg, device, workload
     from cannikin.sim.policies import proportional_split
 
@@ -44,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
                              f"worker count {spec.num_workers} and the total memory cap "
                              f"{int(caps.sum())} for {wl.name}")
         even = np.array(proportional_split(args.batch, np.ones(spec.num_workers), caps))
-        cluster, plan = truth.linearised_plan(lambda c: optimal_split(c, args.batch), even)
+        cluster, plan = truth.linearised_plan(lambda c: zero_split(c, args.batch), even)
+        costly = costly_workers(cluster, plan)
     except ValueError as exc:
         print(f"cannikin plan: error: {exc}", file=sys.stderr)
         return 2
@@ -63,11 +72,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"predicted step time: {1000 * plan.step_time:.1f} ms "
           f"(planner model; simulator ground truth {1000 * opt_time:.1f} ms, "
           f"even split {1000 * even_time:.1f} ms, {even_time / opt_time:.2f}x slower)")
+    for worker in costly[:SHOW_COSTLY]:
+        print(f"worker {worker.rank} ({device(spec.devices[worker.rank]).name}) gets 0 samples "
+              f"and still costs {1000 * worker.cost_s:.1f} ms per step (its fixed time or its "
+              f"all-reduce share): without it {1000 * worker.without_step_time:.1f} ms, "
+              f"{worker.speedup:.2f}x faster (planner model, all-reduce as a ring of "
+              f"{spec.num_workers - 1})")
+    if len(costly) > SHOW_COSTLY:
+        print(f"... and {len(costly) - SHOW_COSTLY} more such workers (all in --json)")
     if args.json:
         payload = {"workload": wl.name, "total_batch": args.batch,
                    "devices": [device(d).name for d in spec.devices],
                    "local_batches": [int(b) for b in split],
                    "predicted_step_time_s": plan.step_time,
-                   "simulated_step_time_s": opt_time, "even_split_step_time_s": even_time}
+                   "simulated_step_time_s": opt_time, "even_split_step_time_s": even_time,
+                   "costly_workers": [{"worker": w.rank, "cost_s": w.cost_s,
+                                       "step_time_without_s": w.without_step_time,
+                                       "speedup_without": w.speedup} for w in costly]}
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n", "utf-8")
     return 0

@@ -448,6 +448,8 @@ class HeteroDataParallel(nn.Module):
             "noise_scale": noise.noise_scale(), "measured": report is not None,
             "fwd_s": None if report is None else report.fwd_s,
             "bwd_s": None if report is None else report.bwd_s, "trained": total,
+            "costly_workers": [{"rank": w.rank, "cost_s": w.cost_s, "speedup": w.speedup}
+                               for w in self.planner.current.costly],
         }
         if self.planner.due(cycle.step):
             self.planner.replan(cycle.step)

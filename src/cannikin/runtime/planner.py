@@ -10,6 +10,7 @@ rank reports are the ones every rank planned.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
@@ -20,7 +21,7 @@ import numpy as np
 
 from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size
-from cannikin.optperf import Plan, optimal_split
+from cannikin.optperf import CostlyWorker, Plan, costly_workers, optimal_split, zero_split
 from cannikin.perf import (
     ClusterModel,
     CommFitter,
@@ -208,7 +209,12 @@ class PlannerConfig:
     max_batch: int | None = None
     """Adaptive total batch up to this (goodput); None keeps B0."""
     min_local: int = 1
-    """Smallest local batch a worker is planned (``local_bsz_bounds[0]``)."""
+    """Smallest local batch a worker is planned (``local_bsz_bounds[0]``), unless it gets
+    none (``allow_zero``)."""
+    allow_zero: bool = True
+    """A worker may be planned 0 samples when the step is faster so (it still joins the
+    all-reduce and the update; its gradient weight is 0): on real 100/50/25% CPU workers
+    the best split gave the slowest worker none (:func:`~cannikin.optperf.zero_split`)."""
     max_local: int | None = None
     """Largest local batch for every worker (``local_bsz_bounds[1]``)."""
     caps: tuple[int | None, ...] = ()
@@ -217,6 +223,21 @@ class PlannerConfig:
     """Per-worker device name, the key of cached models; () for "worker<i>"."""
     gns_smoothing: float = 0.9
     """Per-step smoothing of the noise-scale average (see NoiseScaleTracker)."""
+    probe_error: float | None = 0.15
+    """Once a plan holds, a worker whose measurements pin its time per sample down only to
+    worse than this relative standard error (:meth:`NodeFitter.slope_error`) is planned a
+    different batch for one re-plan interval (a probe: the even share, or twice or half its
+    batch when that is close), the others split optimally around it. A held plan spans a
+    few batch sizes, and the warm-up's even split is then a few noisy samples: on
+    100/50/25% workers the model predicted the even split 13x too slow. None: no probes."""
+    probe_every: int = 100
+    """Steps from one probe to the next, at least (a probe's steps are slower)."""
+    probe_snap: float = 0.1
+    """A probe goes to a batch size measured before when one is within this fraction of its
+    target, so that repeated probes fill one batch size's measurements (and then stop)."""
+    costly_speedup: float = 1.01
+    """A worker planned 0 samples is reported (logged once, ``PlanRecord.costly``) when the
+    step is predicted at least this many times faster without it."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -251,6 +272,14 @@ class PlannerConfig:
         room = [self.cap_of(i) for i in range(self.world_size)]
         if None not in room and sum(r for r in room if r is not None) < self.init_batch:
             raise ValueError(f"batch_size {self.init_batch} does not fit the local caps {room}")
+        if self.probe_error is not None and not self.probe_error > 0:
+            raise ValueError(f"probe_error must be > 0 or None, got {self.probe_error}")
+        if not self.costly_speedup >= 1.0:
+            raise ValueError(f"costly_speedup must be >= 1, got {self.costly_speedup}")
+        if not 0 <= self.probe_snap < 1:
+            raise ValueError(f"probe_snap must be in [0, 1), got {self.probe_snap}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
         if self.min_local * self.world_size > self.init_batch:
             raise ValueError(f"local_bsz_bounds lo={self.min_local} times {self.world_size} "
                              f"workers exceeds batch_size {self.init_batch}")
@@ -273,6 +302,9 @@ class PlanRecord:
     nodes: tuple[NodeModel, ...] | None = None
     comm: CommModel | None = None
     noise_scale: float | None = None
+    costly: tuple[CostlyWorker, ...] = ()
+    """Workers planned 0 samples that still slow the step (their fixed time or all-reduce
+    share), with the predicted step time without each (:func:`~cannikin.optperf.costly_workers`)."""
 
 
 @dataclass
@@ -299,6 +331,11 @@ class Planner:
     _drifted: int | None = field(default=None, init=False)  # a worker off its model
     _prediction: tuple[ClusterModel, tuple[int, ...], float] | None = field(
         default=None, init=False)  # the last predicted() of the model in force, reused
+    _costly_said: set[int] = field(default_factory=set, init=False)  # logged once each
+    _last_probe: int | None = field(default=None, init=False)  # step of the latest probe
+    _remember: tuple[bool, bool] = field(default=(False, False), init=False)
+    """Whether the previous and the current step's split was chosen regardless of the
+    measurements (the warm-up's even split, a probe): their timings are remembered."""
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -337,7 +374,8 @@ class Planner:
         return self._even(total)
 
     def predicted(self, local_batches: Sequence[int]) -> float | None:
-        """Step time the model in force predicts for ``local_batches`` (None without one)."""
+        """Step time the model in force predicts for ``local_batches`` (None without one):
+        the expected slowest of the noisy workers (:meth:`ClusterModel.expected_step_time`)."""
         cluster = self.cluster_model
         if cluster is None:
             return None
@@ -345,7 +383,7 @@ class Planner:
         last = self._prediction
         if last is not None and last[0] is cluster and last[1] == split:
             return last[2]  # asked twice a step for the same split: evaluate once
-        predicted = float(cluster.step_time(list(split)))
+        predicted = cluster.expected_step_time(list(split))
         self._prediction = (cluster, split, predicted)
         return predicted
 
@@ -368,6 +406,9 @@ class Planner:
             raise ValueError(f"expected {self.config.world_size} worker reports, got "
                              f"{len(reports)}")
         previous = [r.previous for r in reports]
+        reason = self.current.reason
+        self._remember = (self._remember[1], self.current.nodes is None
+                          or reason.startswith("probe"))
         if all(p is not None for p in previous):
             done = [p for p in previous if p is not None]
             active = [p for p in done if p.batch > 0]
@@ -386,7 +427,7 @@ class Planner:
         measured = _median([t.step_s for t in timings])
         for fitter, t in zip(self.fitters, timings, strict=True):
             if t.batch > 0:
-                fitter.add(t.batch, t.fwd_s, t.bwd_s)
+                fitter.add(t.batch, t.fwd_s, t.bwd_s, remember=self._remember[0])
         self._add_comm([t for t in timings if t.batch > 0])
         self._check_drift(timings)
         if self._pending is not None and math.isfinite(measured):
@@ -461,12 +502,18 @@ class Planner:
             elif cfg.split == "optimal":
                 plan = optimal_split(cluster, total)
             if cfg.split == "optimal":
-                plan = self._held(cluster, plan)
+                plan = self._held(cluster, self._with_zeros(cluster, plan))
+                if plan.local_batches == self.current.local_batches:
+                    probe = self._probe(step, cluster, plan)
+                    if probe is not None:
+                        reason, plan = probe
             if cfg.split == "even":
                 even = self._even(total)
                 plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
-            record = self._record(step, reason, plan.local_batches, plan.step_time,
-                                  cluster=cluster, noise=noise)
+            record = self._record(step, reason, plan.local_batches,
+                                  cluster.expected_step_time(list(plan.local_batches)),
+                                  cluster=cluster, noise=noise,
+                                  costly=costly_workers(cluster, plan, cfg.costly_speedup))
         # a plan that holds is re-checked less and less often (planning costs CPU every
         # step it runs); any change brings the cadence back to replan_every, and a re-plan
         # out of turn (a drift) that changes nothing leaves the cadence as it was
@@ -483,6 +530,16 @@ class Planner:
         return record
 
     def _log(self, record: PlanRecord, cluster: ClusterModel | None) -> None:
+        for worker in record.costly:
+            if worker.rank in self._costly_said:
+                continue
+            self._costly_said.add(worker.rank)
+            logger.warning(
+                "worker %d (%s) slows the step even with 0 samples (its fixed time or its "
+                "all-reduce share): %.1f ms per step; without it the step would be %.2fx "
+                "faster (%.1f -> %.1f ms)", worker.rank, self.config.names[worker.rank],
+                worker.cost_s * 1e3, worker.speedup, worker.step_time * 1e3,
+                worker.without_step_time * 1e3)
         logger.info("plan at step %d (%s): B=%d split=%s predicted=%s noise_scale=%s",
                     record.step, record.reason, record.total_batch, list(record.local_batches),
                     "n/a" if record.predicted_step_s is None
@@ -507,15 +564,73 @@ class Planner:
         return cap
 
     # -- internals -------------------------------------------------------------------------------
+    def _probe(self, step: int, cluster: ClusterModel, plan: Plan) -> tuple[str, Plan] | None:
+        """A probe of the least-known worker instead of the held ``plan`` (``probe_error``),
+        or None: not due, every fit known well enough, or no probe that adds a measurement."""
+        cfg = self.config
+        if cfg.probe_error is None or (self._last_probe is not None
+                                       and step - self._last_probe < cfg.probe_every):
+            return None
+        n = cfg.world_size
+        candidates = []
+        for rank, (fitter, b) in enumerate(zip(self.fitters, plan.local_batches, strict=True)):
+            error = fitter.slope_error()
+            if not error > cfg.probe_error:
+                continue
+            cap = cfg.cap_of(rank)
+            share = plan.total_batch // n
+            if not 0.5 * share <= b <= 2 * share:
+                target = share
+            elif cap is None or 2 * b <= cap:
+                target = 2 * b
+            else:
+                target = b // 2
+            target = max(target, cfg.min_local, 1)
+            if cap is not None:
+                target = min(target, cap)
+            near = fitter.nearest_level(target)
+            if near is not None and abs(near - target) <= cfg.probe_snap * target:
+                target = int(near)  # fill a batch size measured before, not a new one
+            if target == b or fitter.level_count(target) >= fitter.level_samples:
+                continue  # nothing to add: the probe's batch size is measured in full
+            candidates.append((-error, rank, target))
+        for _, rank, target in sorted(candidates):
+            fixed = [dataclasses.replace(nd, min_batch=target, max_batch=target) if i == rank
+                     else nd for i, nd in enumerate(cluster.nodes)]
+            try:
+                probe = optimal_split(ClusterModel(nodes=fixed, comm=cluster.comm),
+                                      plan.total_batch)
+            except ValueError:
+                continue  # the others cannot take the rest
+            self._last_probe = step
+            return f"probe worker {rank} at local batch {target}", probe
+        return None
+
+    def _with_zeros(self, cluster: ClusterModel, plan: Plan) -> Plan:
+        """``plan``, or a faster one where some workers get 0 samples (``allow_zero``)."""
+        if not self.config.allow_zero or self.config.min_local not in plan.local_batches:
+            return plan
+        return zero_split(cluster, plan.total_batch, expected=True)
+
     def _held(self, cluster: ClusterModel, plan: Plan) -> Plan:
         """The split in force instead of ``plan`` if it is as good (:data:`PLAN_HOLD`)."""
         current = self.current.local_batches
         if current == plan.local_batches or sum(current) != sum(plan.local_batches):
             return plan
         bounds = cluster.arrays  # the bounds optimal_split planned within
-        if not np.all((bounds.lo <= current) & (np.asarray(current) <= bounds.hi)):
+        now = np.asarray(current)
+        fits = (bounds.lo <= now) | ((now == 0) & self.config.allow_zero)
+        if not np.all(fits & (now <= bounds.hi)):
             return plan  # a cap came down: the old split no longer fits
         kept = float(cluster.step_time(list(current)))
+        idle = (now == 0) & (np.asarray(plan.local_batches) == 0)
+        if np.any(idle):
+            # idle in both: their fixed time is no reason to keep a split of the others
+            # that the new plan beats among themselves (the max of all would be flat)
+            busy_kept = float(np.max(cluster.node_times(list(current))[~idle]))
+            busy_new = float(np.max(cluster.node_times(list(plan.local_batches))[~idle]))
+            if busy_kept > (1.0 + PLAN_HOLD) * busy_new:
+                return plan
         if kept <= (1.0 + PLAN_HOLD) * plan.step_time:
             return Plan(local_batches=current, step_time=kept)
         return plan
@@ -552,17 +667,18 @@ class Planner:
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
         """The same models with this config's bounds and caps applied."""
         nodes = [NodeModel(fwd=n.fwd, bwd=n.bwd, min_batch=min_local,
-                           max_batch=self.config.cap_of(i), name=n.name)
+                           max_batch=self.config.cap_of(i), name=n.name, noise=n.noise)
                  for i, n in enumerate(cluster.nodes)]
         return ClusterModel(nodes=nodes, comm=cluster.comm)
 
     def _record(self, step: int, reason: str, split: tuple[int, ...], predicted: float | None,
-                *, cluster: ClusterModel | None = None,
-                noise: float | None = None) -> PlanRecord:
+                *, cluster: ClusterModel | None = None, noise: float | None = None,
+                costly: tuple[CostlyWorker, ...] = ()) -> PlanRecord:
         record = PlanRecord(step=step, reason=reason, total_batch=sum(split),
                             local_batches=tuple(split), predicted_step_s=predicted,
                             nodes=None if cluster is None else tuple(cluster.nodes),
-                            comm=None if cluster is None else cluster.comm, noise_scale=noise)
+                            comm=None if cluster is None else cluster.comm, noise_scale=noise,
+                            costly=costly)
         self.history.append(record)
         return record
 
@@ -617,7 +733,7 @@ class Planner:
             nodes = [self.cached[name] for name in self.config.names]
             self.cluster_model = self._bounded(ClusterModel(nodes=nodes, comm=cached_comm),
                                                min_local=self.config.min_local)
-            plan = optimal_split(self.cluster_model, total)
+            plan = self._with_zeros(self.cluster_model, optimal_split(self.cluster_model, total))
             if self.config.split == "even":
                 plan = Plan(local_batches=self._even(total),
                             step_time=self.cluster_model.step_time(list(self._even(total))))
