@@ -229,7 +229,8 @@ def main() -> int:
     try:
         groups = QuotaGroups.create(SHARES)
     except QuotaUnavailable as err:
-        print(f"bench_real: {err}", file=sys.stderr)
+        print(f"bench_real: {err}; benchmarks/bench_runtime.py measures emulated speeds",
+              file=sys.stderr)
         return 2
     load_before = _loadavg()
     with tempfile.TemporaryDirectory() as tmp, groups:

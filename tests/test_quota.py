@@ -139,9 +139,12 @@ def test_stale_groups_of_a_dead_launcher_are_removed(tmp_path: Path,
     (dead / "rank0").mkdir(parents=True)
     alive = tmp_path / f"cannikin-{os.getpid()}-abcd"
     alive.mkdir()
+    orphans = tmp_path / "cannikin-999999998-abcd" / "rank0"  # workers still running in it
+    orphans.mkdir(parents=True)
+    (orphans / "cgroup.procs").write_text("12345\n")
     with caplog.at_level(logging.INFO, logger=quota.__name__):
         quota.remove_stale(Hierarchy(1, tmp_path))
-    assert not dead.exists() and alive.exists()
+    assert not dead.exists() and alive.exists() and orphans.exists()
     assert "removing stale CPU quota groups" in caplog.text
 
 

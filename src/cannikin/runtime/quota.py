@@ -309,10 +309,13 @@ def _remove_group(group: Path, parent: Path) -> None:
 
 
 def remove_stale(hierarchy: Hierarchy) -> None:
-    """Remove groups left by jobs whose creating process is gone (a killed launcher)."""
+    """Remove groups left by jobs whose creating process is gone (a killed launcher) and
+    which hold no process (workers that outlived their launcher keep their quotas)."""
     for job in hierarchy.path.glob(f"{JOB_PREFIX}*"):
         pid = job.name[len(JOB_PREFIX):].split("-", 1)[0]
-        if job.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if not (job.is_dir() and pid.isdigit()) or Path(f"/proc/{pid}").exists():
+            continue
+        if not any(_read(group / "cgroup.procs") for group in job.glob("rank*")):
             logger.info("removing stale CPU quota groups %s", job)
             QuotaGroups(hierarchy, job, (), DEFAULT_PERIOD_US).remove()
 
