@@ -59,7 +59,7 @@ def main() -> None:
     rows: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, (share, cpu_line.split(":", 2)[2], compute_s))
     if rank == 0:
-        shares, groups, times = zip(*rows, strict=True)  # type: ignore[arg-type]
+        shares, groups, times = zip(*rows, strict=True)
         print(json.dumps({"shares": shares, "groups": groups, "compute_s": times}))
     dist.destroy_process_group()
 
