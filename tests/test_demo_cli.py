@@ -150,3 +150,40 @@ def test_parent_side_never_imports_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, env={**os.environ, "PYTHONPATH": str(src)})
     assert result.returncode == 0, result.stderr
+
+
+def test_quota_mode_gives_shares_proportional_to_the_speeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cannikin.runtime.quota import Hierarchy
+
+    monkeypatch.setattr(demo_cli, "find_hierarchy", lambda: Hierarchy(1, tmp_path))
+    monkeypatch.setattr(demo_cli, "usable_cores", lambda hierarchy: 2.0)
+    config = config_of(["--heterogeneity", "quota", "--speeds", "1,2,4"])
+    assert config.cpu_shares == (0.25, 0.5, 1.0) and config.heterogeneity == "quota"
+    assert DemoConfig.from_json(config.to_json()) == config
+    assert config_of(["--speeds", "1,2,4"]).cpu_shares is None  # emulation stays the default
+
+
+def test_quota_mode_without_writable_cgroups_exits_2_naming_the_fallback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from cannikin.runtime.quota import QuotaUnavailable
+
+    def unavailable() -> None:
+        raise QuotaUnavailable("CPU quotas unavailable: /sys/fs/cgroup/cpu is mounted "
+                               "read-only; fall back to ... --heterogeneity emulate")
+
+    monkeypatch.setattr(demo_cli, "find_hierarchy", unavailable)
+    err = usage_error(["--heterogeneity", "quota"], capsys)
+    assert "--heterogeneity quota: CPU quotas unavailable" in err
+    assert "--heterogeneity emulate" in err
+
+
+def test_quota_mode_refuses_a_share_below_the_kernels_minimum(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from cannikin.runtime.quota import Hierarchy
+
+    monkeypatch.setattr(demo_cli, "find_hierarchy", lambda: Hierarchy(1, tmp_path))
+    monkeypatch.setattr(demo_cli, "usable_cores", lambda hierarchy: 2.0)
+    err = usage_error(["--heterogeneity", "quota", "--speeds", "1,20"], capsys)
+    assert "share 0.05 of rank 0" in err and "at least 0.1 cores" in err

@@ -55,6 +55,17 @@ def test_failing_worker_raises_with_exit_code_and_environment_is_set(tmp_path: P
     assert "exit" in (tmp_path / "workers.log").read_text()
 
 
+def test_quota_workers_get_their_groups_and_no_inherited_slowdown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CANNIKIN_SLOWDOWN", "3")
+    monkeypatch.setenv("CANNIKIN_CPU_QUOTA", "9")
+    env = worker_env(None, {"CANNIKIN_CPU_QUOTA": "1,0.5", "CANNIKIN_CPU_QUOTA_GROUPS": "/g"})
+    assert "CANNIKIN_SLOWDOWN" not in env
+    assert (env["CANNIKIN_CPU_QUOTA"], env["CANNIKIN_CPU_QUOTA_GROUPS"]) == ("1,0.5", "/g")
+    emulated = worker_env((4.0, 1.0))
+    assert emulated["CANNIKIN_SLOWDOWN"] == "4,1" and "CANNIKIN_CPU_QUOTA" not in emulated
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc")
 def test_hung_workers_are_killed_at_the_timeout(tmp_path: Path) -> None:

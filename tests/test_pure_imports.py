@@ -12,7 +12,7 @@ PURE = ["cannikin", "cannikin.perf", "cannikin.optperf", "cannikin.goodput", "ca
         "cannikin.scaling", "cannikin.sim", "cannikin.cli.simulate", "cannikin.cli.plan",
         # the runtime package is lazy: its torch-free parts import without torch
         "cannikin.runtime", "cannikin.runtime.sampler", "cannikin.runtime.planner",
-        "cannikin.runtime.launch_args", "cannikin.cli.launch"]
+        "cannikin.runtime.launch_args", "cannikin.runtime.quota", "cannikin.cli.launch"]
 
 BLOCK_TORCH = """
 import sys

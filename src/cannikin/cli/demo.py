@@ -1,10 +1,14 @@
-"""``cannikin demo``: train a small CNN on a local emulated heterogeneous cluster, first with
-the even split of plain DDP and then with Cannikin, and compare them side by side.
+"""``cannikin demo``: train a small CNN on a local heterogeneous cluster, first with the even
+split of plain DDP and then with Cannikin, and compare them side by side. The workers' speeds
+are emulated (sleep-padding, the default) or real (``--heterogeneity quota``: a CPU quota per
+worker, proportional to its speed).
 
 Bad input (an unknown option, speeds that do not match the worker count, a speed that is not
 positive, more workers than the machine holds, an output file in a missing or read-only
 directory, or a directory given as a file) is reported in one line with exit status 2 before
-any worker starts. A failed or timed-out run exits with status 1 and names the log to read.
+any worker starts; so is ``--heterogeneity quota`` where CPU quotas cannot be set (the line
+names the fallback, ``--heterogeneity emulate``: a run asked for real heterogeneity is never
+silently emulated). A failed or timed-out run exits with status 1 and names the log to read.
 """
 
 from __future__ import annotations
@@ -17,6 +21,16 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from cannikin.runtime.quota import (
+    DEFAULT_PERIOD_US,
+    MIN_QUOTA_US,
+    QuotaUnavailable,
+    find_hierarchy,
+    shares_for_speeds,
+    usable_cores,
+    validate_shares,
+)
 
 DEFAULT_EPOCHS = 4
 DEFAULT_TIMEOUT_S = 600.0
@@ -64,7 +78,8 @@ def _speeds(text: str) -> tuple[float, ...]:
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "demo", help="the main job: a local emulated heterogeneous cluster, trained for real",
+        "demo", help="the main job: a local heterogeneous cluster (emulated speeds, or real "
+                     "CPU quotas), trained for real",
         description=" ".join(__doc__.split("\n\n")[0].split()),
     )
     parser.add_argument("--workers", type=_positive_int,
@@ -77,6 +92,11 @@ def register(subparsers: Any) -> None:
                         help=f"passes over the training split (default {DEFAULT_EPOCHS})")
     length.add_argument("--steps", type=_positive_int,
                         help="train for this many baseline steps (steps x batch-size samples)")
+    parser.add_argument("--heterogeneity", choices=("emulate", "quota"), default="emulate",
+                        help="emulate: pad each worker's compute to its speed with sleeps "
+                             "(default); quota: real speeds, a CPU quota per worker "
+                             "(cgroups, root) proportional to its speed, the fastest a whole "
+                             "core, scaled down until they fit the machine's cores")
     parser.add_argument("--batch-size", type=_positive_int, default=64,
                         help="initial total batch size B0 (default 64)")
     batch = parser.add_mutually_exclusive_group()
@@ -136,9 +156,26 @@ def _config(args: argparse.Namespace) -> Any:
         return DemoConfig(
             speeds=speeds, epochs=epochs, steps=args.steps, batch_size=args.batch_size,
             adaptive_batch=args.adaptive_batch, seed=args.seed, verbose=args.verbose,
+            cpu_shares=_cpu_shares(speeds) if args.heterogeneity == "quota" else None,
         )
+    except (ValueError, QuotaUnavailable) as err:
+        parser.error(f"--heterogeneity quota: {err}" if isinstance(err, QuotaUnavailable)
+                     else str(err))
+
+
+def _cpu_shares(speeds: tuple[float, ...]) -> tuple[float, ...]:
+    """Quota shares for ``speeds`` that fit this machine (ValueError names a share below the
+    kernel's minimum; QuotaUnavailable when there is no writable cpu controller)."""
+    hierarchy = find_hierarchy()
+    cores = usable_cores(hierarchy)
+    shares = shares_for_speeds(speeds, cores)
+    try:
+        return validate_shares(shares, cores)
     except ValueError as err:
-        parser.error(str(err))
+        ratio = DEFAULT_PERIOD_US / MIN_QUOTA_US
+        raise ValueError(f"--heterogeneity quota: speeds {','.join(f'{s:g}' for s in speeds)} "
+                         f"give CPU shares {','.join(f'{s:g}' for s in shares)}: {err}; keep "
+                         f"the fastest within {ratio:g}x the slowest") from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -157,6 +194,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         report = run_demo(config, out_dir=out_dir, timeout_s=args.timeout, console=err,
                           show_progress=args.progress, plot_path=args.plot)
+    except QuotaUnavailable as error:  # the groups could not be made after all
+        print(f"cannikin demo: error: --heterogeneity quota: {error}", file=sys.stderr)
+        return 2
     except LaunchError as error:
         excerpt = failure_excerpt(out_dir / files.WORKER_LOG)
         if excerpt:

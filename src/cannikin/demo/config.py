@@ -80,6 +80,9 @@ class DemoConfig:
     """Seed of the model initialisation, the data split and the sample order."""
     verbose: bool = False
     """Show the workers' logs."""
+    cpu_shares: tuple[float, ...] | None = None
+    """Real heterogeneity: each worker's CPU quota, in cores (``--heterogeneity quota``, see
+    :mod:`cannikin.runtime.quota`); None emulates the speeds by sleep-padding instead."""
     worker_limit: int = field(default_factory=machine_worker_limit)
     """Most workers the machine can hold (see :func:`machine_worker_limit`)."""
 
@@ -118,10 +121,18 @@ class DemoConfig:
             raise ValueError(f"replan_every must be >= 1, got {self.replan_every}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if self.cpu_shares is not None and len(self.cpu_shares) != n:
+            raise ValueError(f"{len(self.cpu_shares)} CPU shares for {n} workers: give one "
+                             "per worker")
 
     @property
     def workers(self) -> int:
         return len(self.speeds)
+
+    @property
+    def heterogeneity(self) -> str:
+        """"quota" (real CPU quotas) or "emulate" (sleep-padding)."""
+        return "emulate" if self.cpu_shares is None else "quota"
 
     @property
     def slowdowns(self) -> tuple[float, ...]:
@@ -141,4 +152,6 @@ class DemoConfig:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DemoConfig:
-        return cls(**{**data, "speeds": tuple(data["speeds"])})
+        shares = data.get("cpu_shares")
+        return cls(**{**data, "speeds": tuple(data["speeds"]),
+                      "cpu_shares": None if shares is None else tuple(shares)})

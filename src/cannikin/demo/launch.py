@@ -18,9 +18,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import cannikin
+from cannikin.runtime.quota import ENV_VAR as QUOTA_ENV
+from cannikin.runtime.quota import GROUPS_ENV_VAR as QUOTA_GROUPS_ENV
 
 POLL_S = 0.2
 """How often the parent wakes to update its display while the workers run."""
+SLOWDOWN_ENV = "CANNIKIN_SLOWDOWN"
+"""Read by the workers' HeteroDataParallel (runtime/emulate.py, which imports torch)."""
 KILL_GRACE_S = 5.0
 """Time between SIGTERM and SIGKILL when a job is stopped."""
 
@@ -39,9 +43,11 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str]) -> list[str]:
     ]
 
 
-def worker_env(slowdowns: Sequence[float]) -> dict[str, str]:
-    """Environment for the workers: this checkout's cannikin, one thread, per-rank slowdown,
-    no GPU (several emulated workers cannot share one GPU under NCCL; they run on gloo)."""
+def worker_env(slowdowns: Sequence[float] | None,
+               quota: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for the workers: this checkout's cannikin, one thread, per-rank slowdown
+    (None: no emulation) and CPU-quota groups (``QuotaGroups.env()``), no GPU (several
+    workers cannot share one GPU under NCCL; they run on gloo)."""
     src = str(Path(cannikin.__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH")
     env = {
@@ -49,10 +55,14 @@ def worker_env(slowdowns: Sequence[float]) -> dict[str, str]:
         "PYTHONPATH": src if not path else f"{src}{os.pathsep}{path}",
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
-        "CANNIKIN_SLOWDOWN": ",".join(f"{s:g}" for s in slowdowns),
         "PYTHONUNBUFFERED": "1",
-        "CUDA_VISIBLE_DEVICES": "",  # the emulated workers share this machine's CPU
+        "CUDA_VISIBLE_DEVICES": "",  # the workers share this machine's CPU
     }
+    for name in (SLOWDOWN_ENV, QUOTA_ENV, QUOTA_GROUPS_ENV):  # the run's own, never inherited
+        env.pop(name, None)
+    env.update(quota or {})
+    if slowdowns is not None:
+        env[SLOWDOWN_ENV] = ",".join(f"{s:g}" for s in slowdowns)
     if Path("/sys/class/net/lo").exists():
         env["GLOO_SOCKET_IFNAME"] = "lo"
     return env

@@ -21,7 +21,9 @@ ideal_throughput
     throughput_even / (n * s_min) samples/s; the ideal is what the cluster would train if
     every worker were as busy as that one: throughput_even * sum(s) / (n * s_min). For a fixed
     total batch it is the limit an optimal split approaches (communication and the fixed
-    per-step cost do not shrink with the split, so it is not reached exactly).
+    per-step cost do not shrink with the split, so it is not reached exactly). Under CPU
+    quotas the speeds are nominal (the shares' ratios; a small share runs slower than its
+    share), so the ideal is a guide only.
 samples_seen_per_epoch
     distinct training samples used in each epoch of the Cannikin run, over all workers; with
     exactly-once sampling it equals the training set size for every full epoch (the last
@@ -91,6 +93,7 @@ def phase_summary(
         "samples_seen_per_epoch": distinct,
         "repeated_samples_per_epoch": repeats,
         "slowdowns": [rank["slowdown"] for rank in ranks],
+        "cpu_shares": [rank.get("cpu_share") for rank in ranks],
         "num_threads": [rank["num_threads"] for rank in ranks],
     }
 
@@ -115,6 +118,8 @@ def build_report(
     return {
         "workers": config.workers,
         "speeds": list(speeds),
+        "heterogeneity": config.heterogeneity,
+        "cpu_shares": None if config.cpu_shares is None else list(config.cpu_shares),
         "batch_size": config.batch_size,
         "adaptive_batch": config.adaptive_batch,
         "train_size": results["even"]["train_size"],
@@ -176,8 +181,10 @@ def render_table(report: Mapping[str, Any]) -> Any:
 
     speeds = ",".join(f"{s:g}" for s in report["speeds"])
     mode = "adaptive" if report["adaptive_batch"] else "fixed"
+    shares = report.get("cpu_shares")
+    kind = "emulated" if shares is None else "CPU quotas " + ",".join(f"{s:g}" for s in shares)
     table = Table(
-        title=f"cannikin demo: {report['workers']} workers, speeds {speeds}, "
+        title=f"cannikin demo: {report['workers']} workers, speeds {speeds} ({kind}), "
               f"batch {report['batch_size']} ({mode})",
     )
     table.add_column("")

@@ -3,6 +3,7 @@ then read what they wrote and report it. The parent never imports torch."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from cannikin.demo.digits import save_digits_split
 from cannikin.demo.launch import run_local, torchrun_command, worker_env
 from cannikin.demo.metrics import JsonlTail, LineTail, read_jsonl
 from cannikin.demo.report import PHASE_TITLES, build_report
+from cannikin.runtime.quota import QuotaGroups
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +29,9 @@ def run_demo(
     show_progress: bool = True, plot_path: Path | None = None,
 ) -> dict[str, Any]:
     """Train both phases on a local cluster and return the report (see :mod:`report`);
-    with ``plot_path``, also draw the figure there."""
+    with ``plot_path``, also draw the figure there. With ``config.cpu_shares`` the workers
+    run in CPU-quota groups made for this run (``QuotaUnavailable`` if cgroups are not
+    writable) and removed after it; otherwise their speeds are emulated."""
     from cannikin.demo.progress import DemoProgress
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -39,11 +43,17 @@ def run_demo(
         config.workers, WORKER_MODULE,
         ["--config", str(out_dir / files.CONFIG), "--out", str(out_dir)],
     )
-    env = worker_env(config.slowdowns)
     metrics = JsonlTail(out_dir / files.METRICS)
     log_lines = LineTail(out_dir / files.WORKER_LOG)
     start = time.monotonic()
-    with DemoProgress(config.sample_budget(train_size), console, show_progress) as bar:
+    with contextlib.ExitStack() as stack:
+        if config.cpu_shares is None:
+            env = worker_env(config.slowdowns)
+        else:
+            groups = stack.enter_context(QuotaGroups.create(config.cpu_shares))
+            env = worker_env(None, groups.env())
+        bar = stack.enter_context(
+            DemoProgress(config.sample_budget(train_size), console, show_progress))
 
         def poll() -> None:
             bar.update(metrics.read_new())

@@ -7,7 +7,9 @@ metrics JSONL (including its own local loss, the mean over its b_0 samples of th
 the training loss, and its noise depends on the split) and writes one result JSON per phase,
 with the full training loss evaluated once at the end; every rank writes the sample indices
 it trained on, per epoch (so the parent can check that each epoch saw every sample once),
-with its slowdown factor and thread count.
+with its slowdown factor, CPU share (None when emulated) and thread count. Under
+``--heterogeneity quota`` each worker first joins its CPU-quota group
+(:func:`cannikin.runtime.quota.join_from_env`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +36,7 @@ from cannikin.log import setup_logging
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 from cannikin.runtime.distributed import DistContext, destroy_distributed, init_distributed
 from cannikin.runtime.emulate import slowdown_from_env
+from cannikin.runtime.quota import join_from_env
 
 logger = logging.getLogger("cannikin.demo.worker")  # __name__ is "__main__" under torchrun
 
@@ -70,7 +74,8 @@ def _train_phase(
         )
     sink = JsonlSink(out / files.METRICS, phase=phase, kind="plan") if ctx.rank == 0 else None
     losses = JsonlSink(out / files.METRICS, phase=phase, kind="train") if ctx.rank == 0 else None
-    # HeteroDataParallel emulates this rank's speed from CANNIKIN_SLOWDOWN (set by the parent)
+    # HeteroDataParallel emulates this rank's speed from CANNIKIN_SLOWDOWN when the parent set
+    # it (--heterogeneity emulate); under CPU quotas it is unset and nothing is padded
     model = HeteroDataParallel(
         net, optimizer, loader, split=split, lr_scaling="adascale",
         replan_every=config.replan_every, metrics=sink, slowdown_profile=EMULATED_PROFILE,
@@ -104,8 +109,9 @@ def _train_phase(
     model.remove_hooks()  # also ends the emulated slowdown before the evaluation
     files.write_json(
         out / files.rank_name(phase, ctx.rank),
-        {"slowdown": slowdown_from_env(ctx.rank), "num_threads": torch.get_num_threads(),
-         "epochs": indices},
+        {"slowdown": slowdown_from_env(ctx.rank), "cpu_share":
+         None if config.cpu_shares is None else config.cpu_shares[ctx.rank],
+         "num_threads": torch.get_num_threads(), "epochs": indices},
     )
     if ctx.rank == 0:
         assert sink is not None and losses is not None
@@ -142,6 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     config = DemoConfig.from_json(json.loads(args.config.read_text(encoding="utf-8")))
+    # before the process group's threads start; after the imports, which a 25% worker would
+    # take 4x as long to run
+    join_from_env(int(os.environ["RANK"]))
     torch.set_num_threads(1)
     ctx = init_distributed(backend="gloo")  # an emulated cluster of CPU workers, GPU or not
     setup_logging(ctx.rank, config.verbose)

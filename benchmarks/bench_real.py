@@ -1,0 +1,258 @@
+"""Real heterogeneity: Cannikin against plain DDP on CPU-quota workers (no emulation).
+
+Three gloo workers in cgroups limited to 1, 0.5 and 0.25 of a core (10 ms CFS period, see
+``cannikin.runtime.quota``) train an MLP 64-1024-1024-10 on scikit-learn's digits with a
+total batch B = 480. In one run, in interleaved blocks of steps (every round visits every
+configuration, in a rotated order, so the load of a shared machine hits all alike):
+
+* plain torch DDP at the even split;
+* Cannikin (HeteroDataParallel, split "optimal"), after a warm-up in which it learns the
+  workers and settles its split;
+* plain DDP at Cannikin's split (as it stood after the warm-up);
+* plain DDP at a sweep of fixed splits, including 0 samples for the slowest worker.
+
+Plain DDP where rank i draws b_i samples and scales its summed loss by n / B computes the
+exact mean gradient for any fixed split, so the best of these is the ground truth for the
+best fixed split. Each configuration's figure is B / (median over rounds of its block's
+step time); ratios are to the best configuration. Cannikin's prediction error is
+|predicted - measured| / measured of the mean step time per block (its model's predicted
+step time for the split in force against the block's wall time per step), median over
+blocks; its own tracker's window and step medians follow (they include the warm-up).
+Before the blocks every worker times the same compute (forward and backward of B / 3
+samples on a model of its own) at once: the workers' real relative speeds.
+
+Run: ``python benchmarks/bench_real.py`` (as root where the cgroup cpu controller is
+writable; elsewhere it exits 2 with one line naming the fallback, ``bench_runtime.py``'s
+emulated speeds). Figures only, no asserts on timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # the parent imports this checkout's quota module
+
+from cannikin.runtime.quota import QuotaGroups, QuotaUnavailable  # noqa: E402
+
+SHARES = (1.0, 0.5, 0.25)
+TOTAL = 480
+WIDTH = 1024
+LR = 0.05
+SWEEP = [(TOTAL - mid - slow, mid, slow) for slow in (0, 30, 60) for mid in (90, 120, 150, 180)]
+"""Fixed splits (fastest, middle, slowest): the slowest gets 0 to 60 samples."""
+
+
+def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import TensorDataset
+
+    from cannikin.runtime import HeteroDataLoader, HeteroDataParallel, init_distributed
+    from cannikin.runtime.quota import join_from_env
+
+    digits = load_digits()
+    x_all = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y_all = torch.tensor(digits.target, dtype=torch.int64)
+    rank = int(os.environ["RANK"])
+    share = join_from_env(rank)  # after the imports: a 25% worker imports torch 4x slower
+    torch.set_num_threads(1)
+    ctx = init_distributed("gloo")
+    world = ctx.world_size
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
+                             nn.ReLU(), nn.Linear(WIDTH, 10))
+
+    # -- the workers' real speeds: the same compute on every rank at once ---------------------
+    alone = mlp()
+    xs, ys = x_all[: TOTAL // world], y_all[: TOTAL // world]
+    F.cross_entropy(alone(xs), ys).backward()  # warm the allocator
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(8):
+        F.cross_entropy(alone(xs), ys).backward()
+    compute_s = (time.perf_counter() - start) / 8
+
+    # -- plain DDP: rank i takes b_i of each step's B samples, summed loss x n / B ------------
+    ddp_net = mlp()
+    ddp = DistributedDataParallel(ddp_net)
+    ddp_opt = torch.optim.SGD(ddp_net.parameters(), lr=LR, momentum=0.9)
+    order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(0))
+    cursor = [0]
+
+    def ddp_step(split: tuple[int, ...]) -> None:
+        begin = cursor[0] + sum(split[:rank])
+        idx = order[torch.arange(begin, begin + split[rank]) % len(order)]
+        cursor[0] = (cursor[0] + TOTAL) % len(order)
+        ddp_opt.zero_grad()
+        loss = F.cross_entropy(ddp(x_all[idx]), y_all[idx], reduction="sum") * (world / TOTAL)
+        loss.backward()
+        ddp_opt.step()
+
+    # -- Cannikin ------------------------------------------------------------------------------
+    hdp_net = mlp()
+    hdp_opt = torch.optim.SGD(hdp_net.parameters(), lr=LR, momentum=0.9)
+    loader = HeteroDataLoader(TensorDataset(x_all, y_all), batch_size=TOTAL, seed=0)
+    hdp = HeteroDataParallel(hdp_net, hdp_opt, loader, split="optimal", slowdown=None)
+    batches = (batch for _ in range(100_000) for batch in loader)  # epoch after epoch
+    predicted: list[float] = []
+
+    def hdp_step() -> None:
+        x, y = next(batches)
+        hdp_opt.zero_grad()
+        F.cross_entropy(hdp(x), y).backward()
+        hdp_opt.step()
+        p = hdp.last_metrics.get("predicted_step_time_s")
+        if p is not None:
+            predicted.append(float(p))
+
+    for _ in range(warmup_steps):
+        hdp_step()
+    cannikin_split = tuple(hdp.plan.local_batches)
+    even = tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))
+    ddp_step(even)  # DDP's first steps rebuild its buckets: not timed
+    ddp_step(even)
+    configs: dict[str, tuple[int, ...] | None] = {"DDP even": even, "Cannikin": None,
+                                                 "DDP at Cannikin's split": cannikin_split}
+    configs.update({"DDP " + "/".join(map(str, s)): s for s in SWEEP if s not in
+                    (even, cannikin_split)})
+    names = list(configs)
+    blocks: dict[str, list[float]] = {name: [] for name in names}
+    errors: list[tuple[float, float]] = []  # Cannikin per block: (predicted, measured)
+    for round_ in range(rounds):
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            split = configs[name]
+            if split is None:
+                with torch.no_grad():  # marks the other blocks as a pause between steps:
+                    hdp(x_all[:1])     # HDP does not measure the next step (docs/runtime.md)
+                predicted.clear()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(block_steps):
+                if split is None:
+                    hdp_step()
+                else:
+                    ddp_step(split)
+            dist.barrier()
+            step_s = (time.perf_counter() - start) / block_steps
+            blocks[name].append(step_s)
+            if split is None and predicted:
+                errors.append((statistics.fmean(predicted), step_s))
+    speeds = [0.0] * world
+    dist.all_gather_object(speeds, compute_s)
+    shares = [0.0] * world
+    dist.all_gather_object(shares, share)
+    if rank == 0:
+        tracker = hdp.prediction_tracker
+        out.write_text(json.dumps({
+            "world": world, "shares": shares, "compute_s": speeds, "blocks": blocks,
+            "splits": {k: list(v) if v else None for k, v in configs.items()},
+            "cannikin_final": list(hdp.plan.local_batches), "cannikin_warm": list(cannikin_split),
+            "errors": errors, "plans": len(hdp.plan_history),
+            "tracker_window": tracker.median_window_error(),
+            "tracker_step": tracker.median_step_error(),
+        }))
+    hdp.remove_hooks()
+    dist.destroy_process_group()
+
+
+def _loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after: str) -> None:
+    shares, compute = result["shares"], result["compute_s"]
+    print(f"bench_real: {result['world']} gloo workers on CPU quotas "
+          f"{', '.join(f'{s:g}' for s in shares)} of a core (10 ms period), MLP 64-{WIDTH}-"
+          f"{WIDTH}-10 on digits, B = {TOTAL}")
+    print(f"load average before {load_before}, after {load_after}; wall time {wall_s:.0f} s")
+    fastest = min(compute)
+    print(f"measured speeds (forward+backward of {TOTAL // len(compute)} samples, every worker "
+          "at once): "
+          + " : ".join(f"{fastest / c:.2f}" for c in compute)
+          + "  (" + ", ".join(f"{1e3 * c:.1f}" for c in compute) + " ms)")
+    medians = {name: statistics.median(times) for name, times in result["blocks"].items()}
+    best = min(medians.values())
+    rounds = len(next(iter(result["blocks"].values())))
+    print(f"\n{'configuration':28s} {'split':>12s} {'ms/step':>8s} {'IQR':>13s} "
+          f"{'samples/s':>10s} {'/ best':>7s}   ({rounds} blocks each, median)")
+    for name, step_s in sorted(medians.items(), key=lambda kv: kv[1]):
+        split = result["splits"][name] or result["cannikin_final"]
+        q = statistics.quantiles(result["blocks"][name], n=4)
+        print(f"{name:28s} {'/'.join(map(str, split)):>12s} {1e3 * step_s:8.1f} "
+              f"{1e3 * q[0]:6.1f}-{1e3 * q[2]:<6.1f} {TOTAL / step_s:10.0f} "
+              f"{best / step_s:7.2f}")
+    warm, final = result["cannikin_warm"], result["cannikin_final"]
+    moved = "" if warm == final else f" (after the warm-up: {'/'.join(map(str, warm))})"
+    print(f"\nCannikin's split {'/'.join(map(str, final))}{moved}, {result['plans']} plans")
+    errors = result["errors"]
+    if errors:
+        error = statistics.median(abs(p - m) / m for p, m in errors)
+        pred = statistics.median(p for p, _ in errors)
+        meas = statistics.median(m for _, m in errors)
+        print(f"Cannikin prediction error per block: median {100 * error:.1f}%"
+              f" (predicted {1e3 * pred:.1f} ms vs measured {1e3 * meas:.1f} ms, medians over "
+              f"{len(errors)} blocks)")
+    print(f"Cannikin's own tracker (warm-up included): window median "
+          f"{100 * result['tracker_window']:.1f}%, step median {100 * result['tracker_step']:.1f}%")
+    ddp_at = medians["DDP at Cannikin's split"]
+    print(f"Cannikin / plain DDP at the same split: {medians['Cannikin'] / ddp_at:.2f}x the step "
+          "time")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Cannikin vs plain DDP on CPU-quota workers")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=10, help="blocks per configuration")
+    parser.add_argument("--block-steps", type=int, default=4, help="steps per block")
+    parser.add_argument("--warmup-steps", type=int, default=60,
+                        help="Cannikin steps before the blocks (it learns and settles)")
+    args = parser.parse_args()
+    if args.worker is not None:
+        _worker(args.worker, args.rounds, args.block_steps, args.warmup_steps)
+        return 0
+    try:
+        groups = QuotaGroups.create(SHARES)
+    except QuotaUnavailable as err:
+        print(f"bench_real: {err}; benchmarks/bench_runtime.py measures emulated speeds",
+              file=sys.stderr)
+        return 2
+    load_before = _loadavg()
+    with tempfile.TemporaryDirectory() as tmp, groups:
+        out = Path(tmp) / "bench.json"
+        env = {**os.environ, **groups.env(), "PYTHONPATH": str(ROOT / "src"),
+               "OMP_NUM_THREADS": "1"}
+        env.pop("CANNIKIN_SLOWDOWN", None)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={len(SHARES)}", __file__, "--worker", str(out), "--rounds",
+               str(args.rounds), "--block-steps", str(args.block_steps), "--warmup-steps",
+               str(args.warmup_steps)]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
+        wall_s = time.monotonic() - start
+        if proc.returncode != 0:
+            print(f"bench_real: workers failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}",
+                  file=sys.stderr)
+            return 1
+        result = json.loads(out.read_text())
+    _report(result, wall_s, load_before, _loadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
