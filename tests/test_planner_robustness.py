@@ -239,3 +239,39 @@ def test_a_held_plan_stays_near_optimal_under_heavy_noise_for_long() -> None:
     print(f"25% noise, {LONG_RUN_STEPS} steps: worst plan after step 50 / optimum "
           f"{[round(w, 3) for w in worst]}")
     assert max(worst) <= 1.15, worst
+
+
+def test_a_plan_under_heavy_noise_settles() -> None:
+    # real quota workers time their steps with ~25% noise: there the optimum the model
+    # predicts moves by a few samples at every re-plan, and with a fixed 0.3% hold the split
+    # changed 28-48 times in 500 steps, the cadence never lengthened (88-100% of steps
+    # measured, 52-72 re-plans, each a refit on every rank). A gain within the model's own
+    # standard error now keeps the split (PlannerConfig.hold_sigmas), and a probe hands the
+    # cadence back to the split it interrupted: 12-18 changes, 66-81% measured, 32-42
+    # re-plans, the same plan quality (mean 1.010-1.018 of the optimum, was 1.010-1.020)
+    def noisy(seed: int) -> Corrupt:
+        rng = np.random.default_rng(200 + seed)
+
+        def corrupt(step: int, reports: list[StepReport]) -> list[StepReport]:
+            factors = np.exp(0.25 * rng.standard_normal((len(reports), 2)))
+            return [dataclasses.replace(r, fwd_s=r.fwd_s * kf, bwd_s=r.bwd_s * kb)
+                    for r, (kf, kb) in zip(reports, factors, strict=True)]
+        return corrupt
+
+    def recorder(measured: list[bool], replans: list[bool]) -> Callable[[int, Planner], None]:
+        def inspect(step: int, planner: Planner) -> None:
+            measured.append(planner.measures(step))
+            replans.append(planner.due(step))
+        return inspect
+
+    for seed in SEEDS:
+        measured: list[bool] = []
+        replans: list[bool] = []
+        splits, quality = drive(steady, seed, noisy(seed), inspect=recorder(measured, replans),
+                                steps=600)
+        changes = sum(a != b for a, b in zip(splits[100:], splits[101:], strict=False))
+        figures = (changes, sum(replans[100:]), sum(measured[100:]) / 500,
+                   float(np.nanmean(quality[100:])))
+        print(f"seed {seed}: changes, re-plans, measured fraction, mean quality {figures}")
+        assert changes <= 24 and sum(replans[100:]) <= 48, figures
+        assert figures[3] <= 1.04, figures

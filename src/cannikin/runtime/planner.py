@@ -238,6 +238,14 @@ class PlannerConfig:
     costly_speedup: float = 1.01
     """A worker planned 0 samples is reported (logged once, ``PlanRecord.costly``) when the
     step is predicted at least this many times faster without it."""
+    hold_sigmas: float = 0.5
+    """A re-plan keeps the split in force unless the new one is predicted faster by more
+    than this many standard errors of a worker's mean time (its fitted relative noise over
+    the square root of its window's samples), or by more than :data:`PLAN_HOLD` where
+    that is larger. A gain within the model's own uncertainty is no gain: on real quota
+    workers (step noise ~25%) the split moved by a few samples at every re-plan, so the
+    cadence never lengthened, every step was measured, and the slowest worker refitted
+    every 5 steps (~17 ms of CPU each)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -272,6 +280,8 @@ class PlannerConfig:
         room = [self.cap_of(i) for i in range(self.world_size)]
         if None not in room and sum(r for r in room if r is not None) < self.init_batch:
             raise ValueError(f"batch_size {self.init_batch} does not fit the local caps {room}")
+        if not (math.isfinite(self.hold_sigmas) and self.hold_sigmas >= 0):
+            raise ValueError(f"hold_sigmas must be finite and >= 0, got {self.hold_sigmas}")
         if self.probe_error is not None and not self.probe_error > 0:
             raise ValueError(f"probe_error must be > 0 or None, got {self.probe_error}")
         if not self.costly_speedup >= 1.0:
@@ -333,6 +343,8 @@ class Planner:
         default=None, init=False)  # the last predicted() of the model in force, reused
     _costly_said: set[int] = field(default_factory=set, init=False)  # logged once each
     _last_probe: int | None = field(default=None, init=False)  # step of the latest probe
+    _before_probe: tuple[tuple[int, ...], int] | None = field(default=None, init=False)
+    """The split a probe interrupted and the re-plan interval it had reached."""
     _remember: tuple[bool, bool] = field(default=(False, False), init=False)
     """Whether the previous and the current step's split was chosen regardless of the
     measurements (the warm-up's even split, a probe): their timings are remembered."""
@@ -519,7 +531,15 @@ class Planner:
         # out of turn (a drift) that changes nothing leaves the cadence as it was
         unchanged = (record.local_batches == self.current.local_batches
                      and cluster is not None)
-        if not unchanged:
+        if record.reason.startswith("probe"):
+            self._interval = cfg.replan_every  # a probe lasts one short interval
+        elif self._before_probe is not None:
+            split, interval = self._before_probe
+            self._before_probe = None
+            # back to the split the probe interrupted: its cadence (and the measuring that
+            # goes with it) as before, instead of re-learning that the split holds
+            self._interval = interval if split == record.local_batches else cfg.replan_every
+        elif not unchanged:
             self._interval = cfg.replan_every
         elif reason == "cadence":
             self._interval = min(2 * self._interval, cfg.max_replan_every)
@@ -603,6 +623,7 @@ class Planner:
             except ValueError:
                 continue  # the others cannot take the rest
             self._last_probe = step
+            self._before_probe = (self.current.local_batches, self._interval)
             return f"probe worker {rank} at local batch {target}", probe
         return None
 
@@ -612,8 +633,16 @@ class Planner:
             return plan
         return zero_split(cluster, plan.total_batch, expected=True)
 
+    def _hold_tolerance(self, cluster: ClusterModel) -> float:
+        """How much faster a new split must be predicted to replace the one in force (see
+        :attr:`PlannerConfig.hold_sigmas`)."""
+        error = max((node.noise / math.sqrt(max(fitter.num_samples, 1))
+                     for node, fitter in zip(cluster.nodes, self.fitters, strict=True)),
+                    default=0.0)
+        return max(PLAN_HOLD, self.config.hold_sigmas * error)
+
     def _held(self, cluster: ClusterModel, plan: Plan) -> Plan:
-        """The split in force instead of ``plan`` if it is as good (:data:`PLAN_HOLD`)."""
+        """The split in force instead of ``plan`` if it is as good (:meth:`_hold_tolerance`)."""
         current = self.current.local_batches
         if current == plan.local_batches or sum(current) != sum(plan.local_batches):
             return plan
@@ -623,15 +652,16 @@ class Planner:
         if not np.all(fits & (now <= bounds.hi)):
             return plan  # a cap came down: the old split no longer fits
         kept = float(cluster.step_time(list(current)))
+        hold = 1.0 + self._hold_tolerance(cluster)
         idle = (now == 0) & (np.asarray(plan.local_batches) == 0)
         if np.any(idle):
             # idle in both: their fixed time is no reason to keep a split of the others
             # that the new plan beats among themselves (the max of all would be flat)
             busy_kept = float(np.max(cluster.node_times(list(current))[~idle]))
             busy_new = float(np.max(cluster.node_times(list(plan.local_batches))[~idle]))
-            if busy_kept > (1.0 + PLAN_HOLD) * busy_new:
+            if busy_kept > hold * busy_new:
                 return plan
-        if kept <= (1.0 + PLAN_HOLD) * plan.step_time:
+        if kept <= hold * plan.step_time:
             return Plan(local_batches=current, step_time=kept)
         return plan
 
