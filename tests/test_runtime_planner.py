@@ -4,6 +4,7 @@ noisy step reports (as the runtime gives it)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import numpy as np
@@ -241,3 +242,14 @@ def test_capped_even_split(total: int, caps: list[int | None]) -> None:
 def test_config_errors_name_the_value(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PlannerConfig(world_size=2, init_batch=32, **kwargs)  # type: ignore[arg-type]
+
+
+def test_info_logs_one_line_per_change_of_plan(caplog: pytest.LogCaptureFixture) -> None:
+    planner = Planner(PlannerConfig(world_size=4, init_batch=128), log_plans=True)
+    with caplog.at_level(logging.INFO, logger="cannikin.runtime.planner"):
+        run(planner, truth((4.0, 2.0, 1.0, 1.0)), 120)
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    changes = sum(a.local_batches != b.local_batches or a.total_batch != b.total_batch
+                  for a, b in zip(planner.history, planner.history[1:], strict=False))
+    assert len(planner.history) > len(infos) == changes > 0
+    assert all(m.startswith("plan at step") for m in infos)  # fitted models: DEBUG only

@@ -544,12 +544,16 @@ class Planner:
         elif reason == "cadence":
             self._interval = min(2 * self._interval, cfg.max_replan_every)
         self._next_replan = step + self._interval
+        changed = (record.local_batches != self.current.local_batches
+                   or record.total_batch != self.current.total_batch)
         self.current = record
         if self.log_plans:
-            self._log(record, cluster)
+            self._log(record, cluster, changed)
         return record
 
-    def _log(self, record: PlanRecord, cluster: ClusterModel | None) -> None:
+    def _log(self, record: PlanRecord, cluster: ClusterModel | None, changed: bool) -> None:
+        """One INFO line for a new split or total batch (a re-plan that keeps both is DEBUG),
+        the fitted models at DEBUG, a costly worker once as a WARNING."""
         for worker in record.costly:
             if worker.rank in self._costly_said:
                 continue
@@ -560,12 +564,13 @@ class Planner:
                 "faster (%.1f -> %.1f ms)", worker.rank, self.config.names[worker.rank],
                 worker.cost_s * 1e3, worker.speedup, worker.step_time * 1e3,
                 worker.without_step_time * 1e3)
-        logger.info("plan at step %d (%s): B=%d split=%s predicted=%s noise_scale=%s",
-                    record.step, record.reason, record.total_batch, list(record.local_batches),
-                    "n/a" if record.predicted_step_s is None
-                    else f"{record.predicted_step_s * 1e3:.1f} ms", record.noise_scale)
+        logger.log(logging.INFO if changed else logging.DEBUG,
+                   "plan at step %d (%s): B=%d split=%s predicted=%s noise_scale=%s",
+                   record.step, record.reason, record.total_batch, list(record.local_batches),
+                   "n/a" if record.predicted_step_s is None
+                   else f"{record.predicted_step_s * 1e3:.1f} ms", record.noise_scale)
         if cluster is not None:
-            logger.info("fitted models: %s; comm %s", list(cluster.nodes), cluster.comm)
+            logger.debug("fitted models: %s; comm %s", list(cluster.nodes), cluster.comm)
 
     def lower_cap(self, rank: int, failed_batch: int) -> int:
         """Worker ``rank`` ran out of memory at ``failed_batch``: lower its cap; return it."""
