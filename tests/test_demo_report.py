@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from cannikin.demo.config import DemoConfig
-from cannikin.demo.files import json_safe, read_json, write_json
-from cannikin.demo.metrics import JsonlSink, JsonlTail, read_jsonl
+from cannikin.demo.files import read_json, write_json
+from cannikin.demo.metrics import JsonlTail, read_jsonl
 from cannikin.demo.report import build_report, epoch_coverage, render_table, table_rows
+from cannikin.metrics import JsonlSink, json_safe
 
 SPEEDS = (1.0, 2.0, 4.0)
 

@@ -39,6 +39,8 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "cannikin.runtime.checkpoint",
     "save_training": "cannikin.runtime.checkpoint",
     "resume_training": "cannikin.runtime.checkpoint",
+    "JsonlSink": "cannikin.metrics",
+    "TensorBoardSink": "cannikin.metrics",
 }
 _SUBMODULES = ("perf", "optperf", "goodput", "gns", "scaling", "runtime", "sim")
 
@@ -47,6 +49,7 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 if TYPE_CHECKING:  # names for type checkers; at run time __getattr__ loads them lazily
     from cannikin.gns import NoiseScaleTracker  # noqa: F401
     from cannikin.goodput import BatchChoice, choose_batch_size, efficiency  # noqa: F401
+    from cannikin.metrics import JsonlSink, TensorBoardSink  # noqa: F401
     from cannikin.optperf import Plan, optimal_split  # noqa: F401
     from cannikin.perf import (  # noqa: F401
         ClusterModel,

@@ -4,27 +4,15 @@ written (atomically, so the parent never reads half a file)."""
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
+from cannikin.metrics import json_safe
+
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 WORKER_LOG = "workers.log"
-
-
-def json_safe(value: Any) -> Any:
-    """JSON-safe copy: tuples become lists, NaN and infinities become None."""
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if hasattr(value, "tolist") and callable(value.tolist):  # numpy / torch scalars, arrays
-        return json_safe(value.tolist())
-    return value
 
 
 def result_name(phase: str) -> str:

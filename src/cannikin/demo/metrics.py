@@ -1,39 +1,15 @@
-"""Per-step metrics as JSON lines: written by rank 0, tailed by the parent process.
+"""Per-step metrics as JSON lines: written by rank 0 (:class:`cannikin.metrics.JsonlSink`),
+tailed by the parent process.
 
-The sink is the small ``log(metrics, step)`` interface that ``HeteroDataParallel`` calls; the
-reader turns a file that is still being written into whole records, so a live display can
-poll it without ever seeing half a line.
+The reader turns a file that is still being written into whole records, so a live display
+can poll it without ever seeing half a line.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import IO, Any
-
-from cannikin.demo.files import json_safe
-
-
-class JsonlSink:
-    """Appends one JSON object per call, tagged with fixed fields (e.g. the run's phase)."""
-
-    def __init__(self, path: str | Path, **tags: Any) -> None:
-        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._tags = tags
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        record = {**json_safe(metrics), **self._tags, "step": int(step)}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self) -> JsonlSink:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+from typing import Any
 
 
 class LineTail:

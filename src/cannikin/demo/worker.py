@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from cannikin.demo import digits, files
 from cannikin.demo.config import DemoConfig
 from cannikin.demo.data import DigitsSplit, load_digits_split
-from cannikin.demo.metrics import JsonlSink
 from cannikin.demo.model import DigitsCNN
 from cannikin.log import setup_logging
+from cannikin.metrics import JsonlSink
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 from cannikin.runtime.distributed import DistContext, destroy_distributed, init_distributed
 from cannikin.runtime.emulate import slowdown_from_env
