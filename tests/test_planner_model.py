@@ -169,7 +169,7 @@ def test_a_worker_that_slows_the_step_even_at_zero_is_reported_once(
     with caplog.at_level(logging.WARNING, logger="cannikin.runtime.planner"):
         for step in range(3):
             planner.current = dataclasses.replace(record, step=step)
-            planner._log(planner.current, model)
+            planner._log(planner.current, model, changed=False)
     said = [r for r in caplog.records if "slows the step even with 0 samples" in r.message]
     assert len(said) == 1 and "worker 2" in said[0].message
 
