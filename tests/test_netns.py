@@ -43,6 +43,9 @@ from dist_utils import (
 )
 from netns import HostPair, netns_pair
 
+DEFAULTS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
+"""The --rdzv-conf that cannikin launch adds to a c10d rendezvous without one."""
+
 pytestmark = pytest.mark.timeout(240)
 
 JOB_TIMEOUT_S = 90.0
@@ -93,7 +96,7 @@ def test_cannikin_launch_across_two_hosts(hosts: HostPair, unshaped: list[JobRes
     assert report["ifname"] == hosts.a.ifname, report  # gloo over the veth
     # what the launcher added: the store's host on a only, each host its own veth address
     for result, host, conf in zip(unshaped, (hosts.a, hosts.b),
-                                  ("last_call_timeout=1,is_host=1", "last_call_timeout=1"),
+                                  (f"{DEFAULTS},is_host=1", DEFAULTS),
                                   strict=True):
         added = re.findall(r"cannikin launch adds: (.*)", result.stderr)
         assert added and added[0].startswith(f"--rdzv-conf {conf}; --local-addr "

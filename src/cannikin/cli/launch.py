@@ -10,12 +10,16 @@ agent's environment (a fresh rendezvous store per worker generation). With a c10
 host: the host that owns HOST's address gets ``is_host=1`` and every host ``--local-addr`` (its
 address toward HOST), found by asking the kernel (:mod:`cannikin.runtime.hostaddr`). A value
 torchrun would reject with a traceback (``--nproc-per-node=0``) exits 2 with one line first.
+c10d heartbeats every second, a node dropped after 5 missed (``keep_alive_interval=1,
+keep_alive_max_attempt=5``: node loss costs ~5 s, not 15), and the exit barrier waits 30 s
+(``CANNIKIN_EXIT_BARRIER_TIMEOUT_S``) where torchrun waits 300 s with no option to change it.
 ``python -m cannikin.launch`` is the same command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -44,6 +48,25 @@ def run(args: argparse.Namespace) -> int:
     return launch(args.torchrun_args)
 
 
+def _exit_barrier_timeout(seconds: float) -> contextlib.AbstractContextManager[Any]:
+    """torchrun's agents with ``exit_barrier_timeout=seconds`` while the block runs.
+
+    torch 2.13's launcher builds its ``LocalElasticAgent`` without passing the timeout (so
+    300 s) and has no option for it; the class it calls is swapped for one with this default.
+    """
+    from unittest import mock
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    class Agent(LocalElasticAgent):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("exit_barrier_timeout", seconds)
+            super().__init__(*args, **kwargs)
+
+    return mock.patch.object(api, "LocalElasticAgent", Agent)
+
+
 def launch(argv: Sequence[str]) -> int:
     """Run torchrun on ``argv`` with Cannikin's defaults; 0 on success, 1 if workers failed,
     2 (one line on stderr, nothing started) for a bad launcher value."""
@@ -62,7 +85,8 @@ def launch(argv: Sequence[str]) -> int:
     from torch.distributed.run import main as torchrun_main
 
     try:
-        torchrun_main(list(launch_args.argv))
+        with _exit_barrier_timeout(launch_args.exit_barrier_timeout_s):
+            torchrun_main(list(launch_args.argv))
     except ChildFailedError as error:
         logger.error("%s", error)  # torchrun's summary: which workers failed, how, where
         return 1

@@ -1,17 +1,28 @@
 """Cannikin's torchrun defaults as a pure rewrite of a torchrun command line (no torch import).
 
-``cannikin launch`` is torchrun with two defaults that a library inside the worker cannot set,
+``cannikin launch`` is torchrun with defaults that a library inside the worker cannot set,
 because they belong to the *agent* (the torchrun process), not to the workers:
 
 * ``last_call_timeout=1`` in ``--rdzv-conf`` for a c10d rendezvous. c10d waits 30 s by default
   after the minimum number of nodes has joined before it closes a round, so every elastic
-  start and every membership change would cost half a minute. The user's ``--rdzv-conf`` keys
-  are kept and win; ``--standalone`` (one node, nothing to wait for) is left alone.
+  start and every membership change would cost half a minute.
+* ``keep_alive_interval=1,keep_alive_max_attempt=5`` there too, unless the user set either:
+  c10d drops a node from the rendezvous once its heartbeat is ``interval x attempts`` old
+  (5 s x 3 = 15 s by default), and the survivors of a lost node wait that long before their
+  next round can close, so node loss cost 16-31 s; now ~5 s. The heartbeat age is compared
+  across hosts' wall clocks, so the window also bounds the clock skew c10d tolerates (5 s;
+  NTP keeps hosts within milliseconds).
+  c10d reads both as integers, so 1 s is its finest interval.
+  The user's ``--rdzv-conf`` keys are kept and win; ``--standalone`` (one node, nothing to wait
+  for) is left alone.
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agent's environment unless the user set it.
   ``init_distributed`` already survives elastic restarts on torchrun's shared store by agreeing
   on a worker generation (see :mod:`cannikin.runtime.distributed`); a fresh store per
   generation removes the stale keys at the source too, so user code that builds its own
   process group (not through ``init_distributed``) is safe as well: belt and braces.
+* An exit barrier of 30 s instead of 300 s (``CANNIKIN_EXIT_BARRIER_TIMEOUT_S`` overrides it;
+  torchrun has no option for it): an agent whose workers finished waits there for the other
+  agents, so a lost agent kept the survivors of a finished job waiting five minutes.
 
 Across hosts (a c10d ``--rdzv-endpoint`` that is not loopback), given a probe of the
 endpoint (:func:`cannikin.runtime.hostaddr.probe_endpoint`), two more, so that the same
@@ -44,7 +55,24 @@ from cannikin.runtime.hostaddr import EndpointView, is_loopback
 LAST_CALL_TIMEOUT_S = 1
 """Seconds a c10d round waits for more nodes once it has its minimum (c10d's default: 30)."""
 
+KEEP_ALIVE_INTERVAL_S = 1
+"""Seconds between an agent's c10d heartbeats (c10d's default: 5; it takes whole seconds)."""
+KEEP_ALIVE_MAX_ATTEMPT = 5
+"""Heartbeats missed before c10d drops a node (c10d's default: 3): 5 x 1 s = 5 s, not 15 s."""
+
+RDZV_CONF_DEFAULTS: tuple[dict[str, int], ...] = (
+    {"last_call_timeout": LAST_CALL_TIMEOUT_S},
+    {"keep_alive_interval": KEEP_ALIVE_INTERVAL_S,
+     "keep_alive_max_attempt": KEEP_ALIVE_MAX_ATTEMPT},
+)
+"""What a c10d ``--rdzv-conf`` gets, in this order: each group only if the user set none of
+its keys (the heartbeat window is their product, so a user's interval keeps c10d's count)."""
+
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+EXIT_BARRIER_ENV = "CANNIKIN_EXIT_BARRIER_TIMEOUT_S"
+DEFAULT_EXIT_BARRIER_TIMEOUT_S = 30.0
+"""Seconds an agent whose workers finished waits for the others (torchrun's fixed 300)."""
 
 DEFAULT_RDZV_PORT = 29400
 """torchrun's port for a c10d ``--rdzv-endpoint`` given without one."""
@@ -118,6 +146,8 @@ class LaunchArgs:
     """Variables to set in the agent's environment (only ones the user had not set)."""
     added: tuple[str, ...] = ()
     """What was added, in words, for a log line."""
+    exit_barrier_timeout_s: float = DEFAULT_EXIT_BARRIER_TIMEOUT_S
+    """How long the agent waits at torchrun's exit barrier for the other agents."""
 
 
 @dataclass
@@ -266,6 +296,22 @@ def _check(argv: Sequence[str], options: Sequence[_Option], env: Mapping[str, st
                                   f"{error}") from None
 
 
+def _exit_barrier_timeout(env: Mapping[str, str]) -> float | None:
+    """The user's ``CANNIKIN_EXIT_BARRIER_TIMEOUT_S``, None if unset; LaunchArgsError if it is
+    not a number of seconds >= 0."""
+    raw = env.get(EXIT_BARRIER_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise LaunchArgsError(f"{EXIT_BARRIER_ENV}={raw} is not valid: it must be a number of "
+                              "seconds >= 0")
+    return seconds
+
+
 def with_cannikin_defaults(argv: Sequence[str], env: Mapping[str, str],
                            probe: EndpointProbe | None = None) -> LaunchArgs:
     """``argv`` (torchrun's arguments) with Cannikin's defaults where the user set none.
@@ -275,13 +321,15 @@ def with_cannikin_defaults(argv: Sequence[str], env: Mapping[str, str],
     endpoint up from this host; without it no cross-host default is added (the rewrite stays
     pure). Nothing is removed or reordered; at most one ``--rdzv-conf`` value is changed or
     one ``--rdzv-conf=...`` inserted, and one ``--local-addr=...`` inserted, just before the
-    training script. LaunchArgsError for a value torchrun would reject with a traceback.
+    training script. LaunchArgsError for a value torchrun would reject with a traceback, or for
+    a ``CANNIKIN_EXIT_BARRIER_TIMEOUT_S`` that is not a number of seconds >= 0.
     """
     argv = list(argv)
     options, end = _scan(argv)
     helping = _last(options, "help") is not None  # torchrun prints its help, whatever the values
     if not helping:
         _check(argv, options, env)
+    exit_barrier_s = None if helping else _exit_barrier_timeout(env)
     standalone_opt = _last(options, "standalone")
     standalone = standalone_opt is not None or env.get("PET_STANDALONE", "0") not in ("", "0")
     backend_opt = _last(options, "rdzv_backend")
@@ -293,8 +341,8 @@ def with_cannikin_defaults(argv: Sequence[str], env: Mapping[str, str],
         conf = (conf_opt.value if conf_opt is not None else env.get("PET_RDZV_CONF")) or ""
         missing_value = conf_opt is not None and conf_opt.value is None  # torchrun reports it
         keys = conf_keys(conf)
-        extras = [] if "last_call_timeout" in keys else [
-            f"last_call_timeout={LAST_CALL_TIMEOUT_S}"]
+        extras = [f"{key}={value}" for group in RDZV_CONF_DEFAULTS if not keys & group.keys()
+                  for key, value in group.items()]
         endpoint = _setting(argv, options, env, "rdzv_endpoint")
         view = None
         if probe is not None and endpoint is not None and not helping:
@@ -321,4 +369,8 @@ def with_cannikin_defaults(argv: Sequence[str], env: Mapping[str, str],
     if SHARE_STORE_ENV not in env:
         extra_env[SHARE_STORE_ENV] = "1"
         added.append(f"{SHARE_STORE_ENV}=1")
-    return LaunchArgs(argv=tuple(argv), env=extra_env, added=tuple(added))
+    if exit_barrier_s is None:
+        exit_barrier_s = DEFAULT_EXIT_BARRIER_TIMEOUT_S
+        added.append(f"exit barrier {exit_barrier_s:g} s")
+    return LaunchArgs(argv=tuple(argv), env=extra_env, added=tuple(added),
+                      exit_barrier_timeout_s=exit_barrier_s)
