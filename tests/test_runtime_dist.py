@@ -21,7 +21,7 @@ from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
-          "adam_noise_reset", "amp", "ddp_habits"]
+          "adam_noise_reset", "amp", "ddp_habits", "step_timeout"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -209,3 +209,14 @@ def test_ddp_habits_work_as_with_ddp(figures: dict[str, Any]) -> None:
     assert habits["outside_rel_err"] < 1e-5
     assert "no_sync() would" in habits["no_sync"]
     assert habits["state_keys_as_ddp"]  # model.state_dict() has DDP's "module." keys
+
+
+def test_every_rank_lowers_the_collective_timeout_alike(figures: dict[str, Any]) -> None:
+    """The step-time rule runs on the exchanged reports, so every rank gets the same value
+    (here the 30 s floor: steps of milliseconds), read back from gloo's own options."""
+    found = figures["step_timeout"]
+    assert found["startup"] == 60.0
+    assert found["timeouts"] == [[30.0, 30.0]] * 3, found
+    refused = found["refused"]
+    assert all(r is not None and "rank 1's collective-timeout rule" in r for r in refused), found
+    assert "floor_s=5.0" in refused[0] and "set CANNIKIN_TIMEOUT_FLOOR_S and " in refused[0]

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from cannikin.log import setup_logging
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 from cannikin.runtime.comm import CommState, weighted_allreduce_hook
 from cannikin.runtime.distributed import init_distributed
+from cannikin.runtime.step_timeout import StepTimeout, TimeoutRule, group_timeout_s
 from cannikin.runtime.timing import CpuClock
 
 SPLITS = [(3, 11, 50), (50, 3, 11), (0, 30, 34)]  # uneven, permuted, and one empty worker
@@ -545,6 +547,38 @@ def check_ddp_habits() -> dict[str, Any]:
     return {"peeked": peeked, "epochs": epochs, "epoch_after": epoch_after,
             "outside_rel_err": worst, "no_sync": no_sync,
             "state_keys_as_ddp": state_keys_as_ddp}
+
+
+def check_step_timeout() -> dict[str, Any]:
+    """Training lowers the group's timeout from its start-up value to the same figure on
+    every rank; a rank whose rule differs is refused on every rank."""
+    world = dist.group.WORLD
+    assert world is not None
+    world.set_timeout(timedelta(seconds=60))  # an earlier check's model lowered it already
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(_blobs(600), batch_size=48, seed=4)
+    model = HeteroDataParallel(net, opt, loader, split="even")
+    startup = model.collective_timeout.startup_s
+    for step, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step == 11:
+            break
+    model.remove_hooks()
+    timeouts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(timeouts, (model.collective_timeout.current_s,
+                                      group_timeout_s(world)))
+    try:
+        StepTimeout(rule=TimeoutRule(floor_s=5.0 if dist.get_rank() == 1 else 30.0))
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, refused)
+    world.set_timeout(timedelta(seconds=60))
+    return {"startup": startup, "timeouts": timeouts, "refused": everyone}
 
 
 CHECKS: dict[str, Callable[[], dict[str, Any]]] = {

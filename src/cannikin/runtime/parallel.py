@@ -49,6 +49,7 @@ from cannikin.runtime.planner import (
     WorkerReport,
 )
 from cannikin.runtime.precondition import Preconditioner
+from cannikin.runtime.step_timeout import StepTimeout
 from cannikin.runtime.timing import Clock, clock_for
 from cannikin.scaling import LRScaler
 
@@ -190,6 +191,7 @@ class HeteroDataParallel(nn.Module):
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
                        optimizer.register_step_post_hook(self._after_optimizer_step)]
         loader.attach(self, self.rank, self.world_size)
+        self.collective_timeout = StepTimeout()  # lowered from init's once steps are measured
         logger.info("batch_size %d is the total over %d workers (a DataLoader's batch_size "
                     "is per rank: DDP with %d per rank trains like batch_size=%d here)",
                     loader.batch_size, self.world_size, loader.batch_size,
@@ -423,6 +425,7 @@ class HeteroDataParallel(nn.Module):
             report = self._measure(step_s, local_sqnorm)
             global_sqnorm = self._global_sqnorm(measured_sqnorm)
         reports = self._exchange()
+        self.collective_timeout.observe(reports)
         planned = tuple(r.batch for r in reports)
         if planned != cycle.split:
             raise RuntimeError(f"rank {self.rank} planned split {list(cycle.split)} but the "
