@@ -70,6 +70,11 @@ class HostPair:
                 _ip(host, "tc", "qdisc", "replace", "dev", host.ifname, "root", "tbf",
                     "rate", rate, "burst", "32kbit", "latency", "50ms")
 
+    def set_link(self, host: Host, *, up: bool) -> None:
+        """Take ``host``'s end of the veth down, a cut link (the other end loses its carrier;
+        no reset reaches either side's sockets), or up again."""
+        _ip(host, "ip", "link", "set", host.ifname, "up" if up else "down")
+
 
 def _run(cmd: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
     try:

@@ -22,7 +22,7 @@ from cannikin.runtime.launch_args import (
     with_cannikin_defaults,
 )
 
-KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=5"
+KEEP_ALIVE = "keep_alive_interval=1,keep_alive_max_attempt=3"
 DEFAULTS = f"last_call_timeout=1,{KEEP_ALIVE}"
 """What a c10d --rdzv-conf gets where the user set none of these keys."""
 

@@ -43,7 +43,7 @@ from dist_utils import (
 )
 from netns import HostPair, netns_pair
 
-DEFAULTS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
+DEFAULTS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 """The --rdzv-conf that cannikin launch adds to a c10d rendezvous without one."""
 
 pytestmark = pytest.mark.timeout(240)

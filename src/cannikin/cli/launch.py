@@ -10,8 +10,8 @@ agent's environment (a fresh rendezvous store per worker generation). With a c10
 host: the host that owns HOST's address gets ``is_host=1`` and every host ``--local-addr`` (its
 address toward HOST), found by asking the kernel (:mod:`cannikin.runtime.hostaddr`). A value
 torchrun would reject with a traceback (``--nproc-per-node=0``) exits 2 with one line first.
-c10d heartbeats every second, a node dropped after 5 missed (``keep_alive_interval=1,
-keep_alive_max_attempt=5``: node loss costs ~5 s, not 15), and the exit barrier waits 30 s
+c10d heartbeats every second, a node dropped after 3 missed (``keep_alive_interval=1,
+keep_alive_max_attempt=3``: node loss waits 3 s for it, not 15), the exit barrier waits 30 s
 (``CANNIKIN_EXIT_BARRIER_TIMEOUT_S``) where torchrun waits 300 s with no option to change it.
 ``python -m cannikin.launch`` is the same command.
 """

@@ -6,12 +6,13 @@ because they belong to the *agent* (the torchrun process), not to the workers:
 * ``last_call_timeout=1`` in ``--rdzv-conf`` for a c10d rendezvous. c10d waits 30 s by default
   after the minimum number of nodes has joined before it closes a round, so every elastic
   start and every membership change would cost half a minute.
-* ``keep_alive_interval=1,keep_alive_max_attempt=5`` there too, unless the user set either:
+* ``keep_alive_interval=1,keep_alive_max_attempt=3`` there too, unless the user set either:
   c10d drops a node from the rendezvous once its heartbeat is ``interval x attempts`` old
   (5 s x 3 = 15 s by default), and the survivors of a lost node wait that long before their
-  next round can close, so node loss cost 16-31 s; now ~5 s. The heartbeat age is compared
-  across hosts' wall clocks, so the window also bounds the clock skew c10d tolerates (5 s;
-  NTP keeps hosts within milliseconds).
+  next round can close, so node loss cost 16-31 s; now 3 s of it. The heartbeat age is
+  compared across hosts' wall clocks, so the window also bounds the clock skew c10d
+  tolerates (3 s; NTP keeps hosts within milliseconds), and an agent stalled that long is
+  dropped (harmless while a round is complete: it rejoins at the next one).
   c10d reads both as integers, so 1 s is its finest interval.
   The user's ``--rdzv-conf`` keys are kept and win; ``--standalone`` (one node, nothing to wait
   for) is left alone.
@@ -57,8 +58,8 @@ LAST_CALL_TIMEOUT_S = 1
 
 KEEP_ALIVE_INTERVAL_S = 1
 """Seconds between an agent's c10d heartbeats (c10d's default: 5; it takes whole seconds)."""
-KEEP_ALIVE_MAX_ATTEMPT = 5
-"""Heartbeats missed before c10d drops a node (c10d's default: 3): 5 x 1 s = 5 s, not 15 s."""
+KEEP_ALIVE_MAX_ATTEMPT = 3
+"""Heartbeats missed before c10d drops a node (c10d's default too): 3 x 1 s = 3 s, not 15 s."""
 
 RDZV_CONF_DEFAULTS: tuple[dict[str, int], ...] = (
     {"last_call_timeout": LAST_CALL_TIMEOUT_S},
