@@ -2,12 +2,16 @@
 
 The rule's arithmetic and parsing; that the gloo group's own timeout really changes (read
 back from its options); that the ranks' rules are compared is in tests/test_runtime_dist.py
-(3 ranks), and what a cut link then costs is in tests/test_recovery.py.
+(3 ranks), and what a cut link then costs is in tests/test_recovery.py. A checkpoint is
+written under the start-up timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+from cannikin.runtime.checkpoint import CheckpointManager, save_training
 from cannikin.runtime.distributed import destroy_distributed, init_distributed
 from cannikin.runtime.planner import StepReport, WorkerReport
 from cannikin.runtime.step_timeout import (
@@ -110,4 +115,31 @@ def test_training_lowers_the_timeout_to_the_floor() -> None:
         optimizer.step()
     assert model.collective_timeout.current_s == DEFAULT_FLOOR_S
     assert group_timeout_s(dist.group.WORLD) == DEFAULT_FLOOR_S  # type: ignore[arg-type]
+    model.remove_hooks()
+
+
+class TimedManager(CheckpointManager):
+    """Records the group's timeout while rank 0 writes."""
+
+    seen: list[float]
+
+    def save(self, step: int, state: Mapping[str, Any]) -> Path:
+        self.seen.append(group_timeout_s(dist.group.WORLD))  # type: ignore[arg-type]
+        return super().save(step, state)
+
+
+def test_a_checkpoint_is_written_under_the_start_up_timeout(tmp_path: Path) -> None:
+    """The other ranks wait in save_training's collective while rank 0 writes: a big
+    checkpoint must not run into the step-time timeout."""
+    net = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    data = TensorDataset(torch.randn(96, 3), torch.zeros(96, dtype=torch.long))
+    model = HeteroDataParallel(net, optimizer, HeteroDataLoader(data, batch_size=8))
+    model.collective_timeout.current_s = 2.0  # as if lowered
+    dist.group.WORLD.set_timeout(timedelta(seconds=2))  # type: ignore[union-attr]
+    manager = TimedManager(tmp_path)
+    manager.seen = []
+    save_training(manager, model)
+    assert manager.seen == [STARTUP_S]
+    assert group_timeout_s(dist.group.WORLD) == 2.0  # type: ignore[arg-type]
     model.remove_hooks()

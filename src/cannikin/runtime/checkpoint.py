@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cannikin.runtime.step_timeout import startup_timeout
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "cannikin-checkpoint"
@@ -254,21 +256,22 @@ def save_training(manager: CheckpointManager, model: Trainable, *,
     through ``manager`` (atomic, the newest ``keep`` kept). Returns on every rank only once
     the file is complete; a failed write raises CheckpointError on every rank.
     """
-    rank, world = _rank_and_world()
-    ranks: list[Any] = [_rank_state(model)]
-    if world > 1:
-        ranks = [None] * world
-        dist.all_gather_object(ranks, _rank_state(model))
-    path = manager.path_for(model.step)
-    error = None
-    if rank == 0:
-        state = {"training": model.training_state_dict(), "ranks": ranks, "world_size": world,
-                 "extra": dict(extra or {})}
-        try:
-            manager.save(model.step, state)
-        except CheckpointError as exc:
-            error = str(exc)
-    _all_ranks_ok(error, f"saving checkpoint {path}")
+    with startup_timeout(model):  # the others wait while rank 0 writes
+        rank, world = _rank_and_world()
+        ranks: list[Any] = [_rank_state(model)]
+        if world > 1:
+            ranks = [None] * world
+            dist.all_gather_object(ranks, _rank_state(model))
+        path = manager.path_for(model.step)
+        error = None
+        if rank == 0:
+            state = {"training": model.training_state_dict(), "ranks": ranks, "world_size": world,
+                     "extra": dict(extra or {})}
+            try:
+                manager.save(model.step, state)
+            except CheckpointError as exc:
+                error = str(exc)
+        _all_ranks_ok(error, f"saving checkpoint {path}")
     logger.info("checkpoint of step %d written to %s", model.step, path)
     return path
 

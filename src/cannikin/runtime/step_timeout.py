@@ -22,17 +22,19 @@ collective on, on connections already made).
 Defaults: floor 30 s, factor 10 (``CANNIKIN_TIMEOUT_FLOOR_S``, ``CANNIKIN_TIMEOUT_STEPS``; a
 factor of 0 keeps the start-up timeout throughout). The floor must exceed any wait between two
 collectives that is not a training step: rank 0 alone writing a checkpoint, evaluating or
-logging while the others wait in their next collective.
+logging while the others wait in their next collective. :func:`startup_timeout` puts the
+start-up bound back for such a block; ``save_training`` uses it while rank 0 writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import statistics
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -155,3 +157,23 @@ class StepTimeout:
                         "step %.3f s), at most the start-up %g s", target, self.current_s,
                         self.rule.floor_s, self.rule.factor, median, self.startup_s)
             self.current_s = target
+
+    @contextlib.contextmanager
+    def relaxed(self) -> Iterator[None]:
+        """The start-up timeout while the block runs, the step-time one again after it."""
+        if self.current_s == self.startup_s:
+            yield
+            return
+        self.group.set_timeout(timedelta(seconds=self.startup_s))
+        try:
+            yield
+        finally:
+            self.group.set_timeout(timedelta(seconds=self.current_s))
+
+
+def startup_timeout(model: object) -> contextlib.AbstractContextManager[None]:
+    """The start-up collective timeout around work that makes the other ranks wait on one
+    (rank 0 writing a checkpoint): ``model``'s :class:`StepTimeout` relaxed, if it has one.
+    Every rank must enter it, as every rank enters the collectives inside."""
+    timeout = getattr(model, "collective_timeout", None)
+    return timeout.relaxed() if isinstance(timeout, StepTimeout) else contextlib.nullcontext()
