@@ -6,7 +6,9 @@ the runtime is given. It also carries two fixes that every user script would oth
 
 * **Collective timeout.** The process group gets a finite timeout (gloo enforces it on every
   collective), so a worker that hangs makes its peers fail with an error instead of blocking
-  forever; :func:`collective_timeout_error` re-raises such failures naming the rank.
+  forever; :func:`collective_timeout_error` re-raises such failures naming the rank. It is
+  the start-up bound: once steps are measured, ``HeteroDataParallel`` lowers it to a multiple
+  of the step time (:mod:`cannikin.runtime.step_timeout`).
 * **Elastic restarts on a shared store.** torchrun (torch >= 2.4) lets every restarted worker
   group reuse the agent's TCPStore. ``init_process_group(init_method="env://")`` then reads the
   *previous* group's gloo addresses and fails with "Gloo connectFullMesh failed ... Connection
@@ -46,7 +48,8 @@ from torch.distributed import (  # type: ignore[attr-defined]  # re-exported fro
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
-"""Collective timeout: generous for real training steps, far below torch's 30 min default."""
+"""Collective timeout at start-up: generous for loading and the first steps, far below torch's
+30 min default (training lowers it: :mod:`cannikin.runtime.step_timeout`)."""
 
 _BACKENDS = ("gloo", "nccl")
 
@@ -68,7 +71,7 @@ class DistContext:
     restart_count: int = 0
     """How many times torchrun has restarted this worker group (0 on the first run)."""
     timeout_s: float = DEFAULT_TIMEOUT_S
-    """Collective timeout of the process group, seconds."""
+    """Collective timeout the process group was made with (the start-up bound), seconds."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
