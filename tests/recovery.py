@@ -113,13 +113,12 @@ def start_job(out: Path, hosts: HostPair | None, *, env: Mapping[str, str] | Non
         cmd = torchrun_command(WORKER, nproc_per_node=1, nnodes="1:2", max_restarts=3,
                                rdzv_endpoint=endpoint, rdzv_id=rdzv_id, last_call_s=None,
                                script_args=args, launcher=[*prefix, *CANNIKIN_LAUNCH])
+        if hosts is None:
+            # on loopback both agents own the endpoint, and under load the second one can bind
+            # the store first; the launcher still adds its defaults to this --rdzv-conf
+            cmd.insert(cmd.index(str(WORKER)), f"--rdzv-conf=is_host={int(index == 0)}")
         commands.append((cmd, worker_env({**place_env, **(env or {})})))
-    if hosts is not None:  # the launcher gives is_host=1 to host a only: start both at once
-        return start_commands(commands)
-    job = start_commands(commands[:1])
-    time.sleep(0.5)  # on loopback both would claim the store: let agent 0 bind it first
-    job.agents += start_commands(commands[1:]).agents
-    return job
+    return start_commands(commands)  # is_host=1 for agent 0 only: both can start at once
 
 
 def _steady(out: Path, job: ElasticJob, timeout_s: float) -> None:
