@@ -68,8 +68,9 @@ class Recovery:
 
 
 def read_events(out: Path) -> list[dict[str, Any]]:
+    """Every run's events so far, by time; a line still being written is left for later."""
     events = [json.loads(line) for path in sorted(out.glob("events-*.jsonl"))
-              for line in path.read_text().splitlines() if line.strip()]
+              for line in path.read_text().split("\n")[:-1]]
     return sorted(events, key=lambda e: e["t"])
 
 
@@ -97,7 +98,7 @@ def _kill_all(job: ElasticJob) -> None:
 def start_job(out: Path, hosts: HostPair | None, *, env: Mapping[str, str] | None = None,
               script_args: Sequence[str] = ()) -> ElasticJob:
     """Two ``cannikin launch`` agents on one c10d rendezvous, agent 0 its host; the launcher
-    is given no ``--rdzv-conf``, so its own defaults are what is measured."""
+    is given none of the ``--rdzv-conf`` keys it sets, so its own defaults are measured."""
     args = [str(out), *script_args]
     rdzv_id = uuid.uuid4().hex
     if hosts is None:

@@ -122,7 +122,8 @@ class StepTimeout:
         self.rule = rule if rule is not None else TimeoutRule.from_env(
             os.environ if env is None else env)
         self.startup_s = group_timeout_s(self.group)
-        """The timeout the group was made with (``init_distributed``'s ``timeout_s``)."""
+        """The group's timeout now: ``init_distributed``'s ``timeout_s``, unless an earlier
+        model on this group lowered it (a group keeps no attribute of ours to remember it)."""
         self.current_s = self.startup_s
         """The timeout in force now."""
         self._steps: deque[float] = deque(maxlen=WINDOW)
