@@ -17,4 +17,5 @@ def test_hung_peer_fails_training_with_timeout_naming_rank() -> None:
     assert "rank 1 stops responding" in result.stdout
     output = result.stdout + result.stderr
     assert "rank 0 of 2: gradient all-reduce failed (a peer worker may be hung" in output
+    assert "Unable to cast" not in output  # raised as an error, not read as a bucket
     assert GLOO_TIMEOUT.search(output), "the failure was not the process group's timeout"

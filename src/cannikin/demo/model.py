@@ -23,4 +23,5 @@ class DigitsCNN(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x))
+        logits: torch.Tensor = self.classifier(self.features(x))
+        return logits

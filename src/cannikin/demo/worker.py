@@ -90,7 +90,7 @@ def _train_phase(
         for x, y, index in loader:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             total_batch = int(model.last_metrics["total_batch"])  # the same on every rank
             steps += 1

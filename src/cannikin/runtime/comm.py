@@ -280,18 +280,25 @@ class _Finisher:
         self._state = weakref.ref(state)
         self._queue: queue.SimpleQueue[_Reduction] = queue.SimpleQueue()
         self._stream = state.side_stream(device)
-        self._devices = None if self._stream is None else [device]
+        self._devices: list[int | str | torch.device] | None = (
+            None if self._stream is None else [device])
         self._thread: threading.Thread | None = None
 
     def add(self, reduction: _Reduction) -> torch.futures.Future[torch.Tensor]:
-        """Queue ``reduction``; the future DDP waits on for it."""
+        """Queue ``reduction``; the future DDP waits on for it.
+
+        That is a ``.then`` of the future this thread completes, so that a failure reaches
+        DDP as an error it raises from the backward: DDP reads a Python future's value
+        without the unwrapping that makes ``set_exception`` raise. The callback runs, and
+        is dropped, on this thread when it completes the future."""
         reduction.result = torch.futures.Future(devices=self._devices)
+        outcome: torch.futures.Future[torch.Tensor] = reduction.result.then(_result_or_raise)
         if self._thread is None or not self._thread.is_alive():  # first use, or forked
             self._thread = threading.Thread(target=self._run, name="cannikin-allreduce",
                                             daemon=False)
             self._thread.start()
         self._queue.put(reduction)
-        return reduction.result
+        return outcome
 
     def _run(self) -> None:
         main = threading.main_thread()
@@ -311,8 +318,8 @@ class _Finisher:
                 else:
                     with torch.cuda.stream(self._stream):  # waits for the collective only
                         self._complete(state, reduction)
-            except BaseException as error:  # every future must complete: DDP waits on it
-                reduction.result.set_exception(error)
+            except Exception as error:  # every future must complete: DDP waits on it
+                reduction.result.set_exception(error)  # type: ignore[arg-type]  # typed as T
             del state, reduction
 
     @staticmethod
@@ -323,7 +330,7 @@ class _Finisher:
             raise RuntimeError(
                 f"rank {dist.get_rank(state.group)} of {dist.get_world_size(state.group)}: "
                 f"gradient all-reduce failed (a peer worker may be hung or dead; the wait is "
-                f"bounded by init_distributed's timeout_s): {error}") from error
+                f"bounded by the collective timeout, docs/reliability.md): {error}") from error
         if reduction.measured:
             state.done[reduction.slot] = state.clock.mark()
         reduced = reduction.sent[:reduction.size]
@@ -332,6 +339,11 @@ class _Finisher:
         if reduction.measured:
             state._add_global(reduction.bucket, reduced)
         reduction.result.set_result(reduced)
+
+
+def _result_or_raise(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    """The reduced bucket, or the error the finisher completed ``future`` with, raised."""
+    return future.wait()
 
 
 _BACKWARD_CONTEXT = "context"
@@ -373,7 +385,8 @@ def _sqnorm(flat: torch.Tensor) -> torch.Tensor:
     step's backward is done): a half-precision square overflows at |g| ~ 256."""
     if flat.dtype in (torch.float32, torch.float64):
         return torch.dot(flat, flat)
-    return torch.linalg.vector_norm(flat, dtype=torch.float32).square()
+    norm: torch.Tensor = torch.linalg.vector_norm(flat, dtype=torch.float32)
+    return norm.square()
 
 
 def _scaled(buffer: torch.Tensor, weight: float, out: torch.Tensor) -> torch.Tensor:

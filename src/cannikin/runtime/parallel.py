@@ -26,7 +26,7 @@ import copy
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -118,11 +118,13 @@ def _map_batched(value: Any, fn: Any) -> Any:
         return type(value)(*(_map_batched(v, fn) for v in value))
     if isinstance(value, tuple | list):
         return type(value)(_map_batched(v, fn) for v in value)
-    if isinstance(value, Mapping):
+    if isinstance(value, MutableMapping):
         mapped = copy.copy(value)
         for key, item in value.items():
             mapped[key] = _map_batched(item, fn)
         return mapped
+    if isinstance(value, Mapping):
+        return {key: _map_batched(item, fn) for key, item in value.items()}
     return value
 
 
