@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the re
 
 from cannikin.goodput import choose_batch_size  # noqa: E402
 from cannikin.optperf import even_split, optimal_split, proportional_split  # noqa: E402
-from cannikin.perf import ClusterModel, CommModel, NodeModel  # noqa: E402
+from cannikin.perf import ClusterModel, CommModel, NodeFitter, NodeModel  # noqa: E402
 from references import lp_bound  # noqa: E402
 
 # Relative per-sample speed and memory (max local batch) of a few GPU kinds, roughly
@@ -109,6 +109,62 @@ def bench_stragglers() -> None:
         print(f"  {name:38s} {ms:8.2f} ms {mb:8.2f} MB")
 
 
+def filled_fitters(rng: np.random.Generator, n: int) -> tuple[list[NodeFitter],
+                                                                Callable[[], None]]:
+    """A re-plan's state at n workers: each window full (64 steps of a held plan at two
+    batch sizes, 10% timing noise) and the warm-up's even split remembered; and a function
+    that adds one more step's sample to every worker (so that the next fit is a refit)."""
+    fitters = [NodeFitter() for _ in range(n)]
+    slow = rng.uniform(1.0, 4.0, n)
+    steps = [0]
+
+    def add(batch: list[int], remember: bool) -> None:
+        noise = rng.lognormal(0.0, 0.1, n) * slow
+        for f, b, s in zip(fitters, batch, noise.tolist(), strict=True):
+            f.add(b, s * (0.005 + 5e-5 * b), s * (0.01 + 1e-4 * b), remember=remember)
+
+    def step() -> None:
+        steps[0] += 1
+        add([int(32 / s) + steps[0] % 2 for s in slow.tolist()], False)
+
+    for _ in range(4):
+        add([32] * n, True)
+    for _ in range(fitters[0].window):
+        step()
+    return fitters, step
+
+
+def bench_replan(rng: np.random.Generator) -> None:
+    """A full re-plan on every rank after a step: refit every worker, choose the total."""
+    n = 1024
+    fitters, step = filled_fitters(rng, n)
+    comm = CommModel(buckets=[(0.5, 0.01), (1.0, 0.01)])
+
+    def refit() -> list[NodeModel | None]:
+        step()  # untimed in the figures below: each worker's new sample
+        start = time.perf_counter()
+        nodes = [f.fit(name=f"w{i}") for i, f in enumerate(fitters)]
+        refit_s.append(time.perf_counter() - start)
+        return nodes
+
+    def replan() -> object:
+        nodes = refit()
+        cluster = ClusterModel(nodes=[nd for nd in nodes if nd is not None], comm=comm)
+        return choose_batch_size(cluster, 1e4, 16 * n, 128 * n)
+
+    refit_s: list[float] = []
+    for _ in range(3):
+        refit()
+    fit_ms = min(refit_s) * 1e3
+    _, mb, _ = time_and_memory(replan)
+    cluster = ClusterModel(nodes=[nd for nd in refit() if nd is not None], comm=comm)
+    choose_ms, _, _ = time_and_memory(lambda: choose_batch_size(cluster, 1e4, 16 * n, 128 * n))
+    print(f"re-plan at n = {n}: refit of every worker {fit_ms:.1f} ms "
+          f"({fit_ms / n * 1e3:.0f} us each) + choose_batch_size {choose_ms:.1f} ms = "
+          f"{fit_ms + choose_ms:.1f} ms, peak {mb:.2f} MB; an unchanged worker's refit is "
+          f"its cached fit")
+
+
 def per_call_ms(fn: object, number: int, repeat: int = 7) -> tuple[float, float]:
     times = [t / number * 1e3 for t in timeit.repeat(fn, number=number, repeat=repeat)]  # type: ignore[arg-type]
     return min(times), statistics.median(times)
@@ -178,6 +234,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     bench_cost(rng)
     bench_stragglers()
+    bench_replan(rng)
     bench_quality(rng, args.clusters)
 
 

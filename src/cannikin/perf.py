@@ -475,6 +475,10 @@ class NodeFitter:
     _medians: dict[float, tuple[float, float]] = field(default_factory=dict, init=False,
                                                        repr=False)  # per level, until it changes
     _shape: tuple[float, float, float, float] | None = field(default=None, init=False, repr=False)
+    _fitted: tuple[tuple[str, int, int | None], NodeModel | None] | None = field(
+        default=None, init=False, repr=False)
+    """The last fit's arguments and result, until a sample arrives: a re-plan refits only
+    the workers with new samples (an idle or unmeasured worker's fit is the same)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.window) or self.window < 2:
@@ -553,6 +557,7 @@ class NodeFitter:
             )
             return False
         self._samples.append(values)
+        self._fitted = None
         if remember:
             self._remember(values)
         return True
@@ -606,8 +611,15 @@ class NodeFitter:
         """The current model, or None before any sample with a non-zero batch.
 
         If the window shows a significant lasting shift in speed, the samples from before
-        it (and the anchors) are forgotten first (the only state ``fit`` changes).
+        it (and the anchors) are forgotten first (the only state ``fit`` changes). Without
+        a new sample since a fit that forgot nothing, that fit's model is returned as it is.
         """
+        key = (name, min_batch, max_batch)
+        if self._fitted is not None and self._fitted[0] == key:
+            return self._fitted[1]
+        return self._fit(name, min_batch, max_batch)
+
+    def _fit(self, name: str, min_batch: int, max_batch: int | None) -> NodeModel | None:
         if not self._samples:
             return None
         data = np.array(self._samples, dtype=np.float64)
@@ -639,9 +651,12 @@ class NodeFitter:
             log_ratio = np.log(np.maximum(total, tiny) / predicted)
         if np.unique(np.concatenate([data[:, 0], anchors[:, 0]])).size >= 2:
             self._shape = params
-        return NodeModel(fwd=(f0, f1), bwd=(k0, k1), min_batch=min_batch,
-                         max_batch=max_batch, name=name,
-                         noise=_relative_noise(log_ratio, self.noise_min_samples))
+        model = NodeModel(fwd=(f0, f1), bwd=(k0, k1), min_batch=min_batch,
+                          max_batch=max_batch, name=name,
+                          noise=_relative_noise(log_ratio, self.noise_min_samples))
+        if not start:  # a fit that forgot nothing gives the same model until a sample arrives
+            self._fitted = ((name, min_batch, max_batch), model)
+        return model
 
     def _params(self, data: FloatArray, anchors: FloatArray) -> (
         tuple[float, float, float, float] | None
