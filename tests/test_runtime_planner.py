@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cannikin.optperf import optimal_split
+from cannikin.optperf import optimal_split, share_split
 from cannikin.perf import ClusterModel, CommModel, NodeModel
 from cannikin.runtime.planner import (
     MAX_BUCKETS,
@@ -22,7 +22,6 @@ from cannikin.runtime.planner import (
     PlannerConfig,
     StepReport,
     WorkerReport,
-    capped_even_split,
     merge_buckets,
 )
 
@@ -216,13 +215,13 @@ def test_report_vector_round_trip_and_bucket_merging() -> None:
 
 @given(st.integers(0, 500), st.lists(st.one_of(st.none(), st.integers(1, 200)), min_size=1,
                                      max_size=8))
-def test_capped_even_split(total: int, caps: list[int | None]) -> None:
+def test_even_split_under_caps(total: int, caps: list[int | None]) -> None:
     room = sum(total if c is None else c for c in caps)
     if room < total:
-        with pytest.raises(ValueError, match="exceeds the sum of the local caps"):
-            capped_even_split(total, caps)
+        with pytest.raises(ValueError, match="cannot split"):
+            share_split(total, np.ones(len(caps)), caps)
         return
-    split = capped_even_split(total, caps)
+    split = share_split(total, np.ones(len(caps)), caps)
     assert sum(split) == total
     assert all(c is None or b <= c for b, c in zip(split, caps, strict=True))
     free = [b for b, c in zip(split, caps, strict=True) if c is None or b < c]

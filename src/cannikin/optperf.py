@@ -489,21 +489,50 @@ def costly_workers(cluster: ClusterModel, plan: Plan,
     return tuple(found)
 
 
-def _round_shares(shares: FloatArray, total_batch: int) -> tuple[int, ...]:
-    """Largest-remainder rounding of non-negative ``shares`` summing to ``total_batch``."""
-    base = np.floor(shares).astype(np.int64)
-    rest = total_batch - int(base.sum())
-    order = np.argsort(-(shares - base), kind="stable")
-    base[order[:rest]] += 1
+def share_split(total_batch: int, weights: npt.ArrayLike,
+                caps: Sequence[int | None] | None = None, minimum: int = 0) -> tuple[int, ...]:
+    """``minimum`` samples each, the rest in proportion to ``weights``, none above its cap.
+
+    The one even/proportional rule (the baselines, the warm-up's even split, the
+    simulator's policies): a worker whose share would pass its cap (``None``: uncapped)
+    is pinned there and the rest shared again among the others (water-filling); shares are
+    rounded by largest remainder, ties to the lower rank. Weights are floored at 1e-12 so
+    a zero weight still gets its minimum. ValueError unless ``minimum * n <= total_batch
+    <= sum(caps)``.
+    """
+    w = np.maximum(np.asarray(weights, dtype=np.float64), 1e-12)
+    n = w.size
+    cap = np.full(n, np.inf) if caps is None else np.array(
+        [np.inf if c is None else c for c in caps], dtype=np.float64)
+    if cap.shape != (n,):
+        raise ValueError(f"caps {list(caps or [])} need one entry per weight ({n})")
+    if not _is_int(total_batch) or not minimum * n <= total_batch <= float(cap.sum()):
+        raise ValueError(f"cannot split total_batch={total_batch!r} over {n} workers: it "
+                         f"must be an integer in [{minimum} x {n}, sum of the caps "
+                         f"{float(cap.sum()):g}]")
+    out = np.full(n, float(minimum))
+    free = np.ones(n, dtype=bool)
+    while True:  # water-fill: workers whose share exceeds their cap are pinned there
+        left = total_batch - out[~free].sum()
+        with np.errstate(invalid="ignore"):  # 0/0 once the caps hold everything
+            share = minimum + (left - minimum * free.sum()) * w / w[free].sum()
+        share[~free] = out[~free]
+        over = free & (share > cap)
+        if not over.any():
+            break
+        out[over] = cap[over]
+        free &= ~over
+    base = np.minimum(np.where(free, np.floor(share), out), cap)
+    remainder = np.where(free, share - np.floor(share), -1.0)
+    base[np.argsort(-remainder, kind="stable")[: total_batch - int(base.sum())]] += 1
     return tuple(int(v) for v in base)
 
 
 def even_split(cluster: ClusterModel, total_batch: int) -> Plan:
     """The homogeneous baseline (DDP, AdaptDL): equal shares, ignoring speeds and caps."""
-    n = cluster.size
     if not _is_int(total_batch) or total_batch < 0:
         raise ValueError(f"total_batch={total_batch!r} must be an integer >= 0")
-    local = tuple(total_batch // n + (1 if i < total_batch % n else 0) for i in range(n))
+    local = share_split(total_batch, np.ones(cluster.size))
     return Plan(local_batches=local, step_time=cluster.step_time(local))
 
 
@@ -525,5 +554,5 @@ def proportional_split(
         speed = np.asarray(throughput, dtype=np.float64)
         if speed.shape != (n,) or not np.all(np.isfinite(speed)) or np.any(speed <= 0):
             raise ValueError(f"throughput must be {n} finite values > 0, got {throughput!r}")
-    local = _round_shares(total_batch * speed / speed.sum(), total_batch)
+    local = share_split(total_batch, speed)
     return Plan(local_batches=local, step_time=cluster.step_time(local))

@@ -21,7 +21,14 @@ import numpy as np
 
 from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size
-from cannikin.optperf import CostlyWorker, Plan, costly_workers, optimal_split, zero_split
+from cannikin.optperf import (
+    CostlyWorker,
+    Plan,
+    costly_workers,
+    optimal_split,
+    share_split,
+    zero_split,
+)
 from cannikin.perf import (
     ClusterModel,
     CommFitter,
@@ -164,28 +171,6 @@ def _noise_sd(values: Sequence[float]) -> float:
     diffs = np.diff(np.asarray(values, dtype=np.float64))
     mad = float(np.median(np.abs(diffs - np.median(diffs))))
     return 1.4826 * mad / math.sqrt(2.0)
-
-
-def capped_even_split(total: int, caps: Sequence[int | None]) -> tuple[int, ...]:
-    """As even as the caps allow: b_i = min(cap_i, L), the rest one each by rank order."""
-    n = len(caps)
-    limit = [total if c is None else min(c, total) for c in caps]
-    if sum(limit) < total:
-        raise ValueError(f"total batch {total} exceeds the sum of the local caps {list(caps)}")
-    lo, hi = 0, total  # largest level L with sum(min(cap_i, L)) <= total
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if sum(min(c, mid) for c in limit) <= total:
-            lo = mid
-        else:
-            hi = mid - 1
-    split = [min(c, lo) for c in limit]
-    rest = total - sum(split)
-    for i in range(n):
-        if rest and split[i] < limit[i]:
-            split[i] += 1
-            rest -= 1
-    return tuple(split)
 
 
 @dataclass(kw_only=True)
@@ -677,8 +662,9 @@ class Planner:
         return min(total, fits)
 
     def _even(self, total: int) -> tuple[int, ...]:
-        return capped_even_split(total, [self.config.cap_of(i)
-                                         for i in range(self.config.world_size)])
+        """As even as the caps allow."""
+        n = self.config.world_size
+        return share_split(total, np.ones(n), [self.config.cap_of(i) for i in range(n)])
 
     def _fit(self) -> ClusterModel | None:
         cfg = self.config
