@@ -15,8 +15,6 @@ from cannikin.optperf import optimal_split, share_split
 from cannikin.perf import ClusterModel, CommModel, NodeModel
 from cannikin.runtime.planner import (
     MAX_BUCKETS,
-    MEASURE_STRIDE,
-    PLAN_HOLD,
     REPORT_SIZE,
     Planner,
     PlannerConfig,
@@ -118,7 +116,7 @@ def test_a_held_plan_measures_every_fourth_step_and_a_new_plan_every_step() -> N
                                     max_replan_every=40))
     assert all(planner.measures(s) for s in range(8))  # warm-up: every step
     run(planner, cluster, 120)
-    assert [planner.measures(s) for s in range(120, 128)] == [s % MEASURE_STRIDE == 0
+    assert [planner.measures(s) for s in range(120, 128)] == [s % planner.config.measure_stride == 0
                                                             for s in range(120, 128)]
     assert planner.noise.num_updates < 120 - 30  # the unmeasured steps sent nothing
     planner.lower_cap(0, 32)
@@ -136,7 +134,7 @@ def test_a_replan_keeps_a_split_as_good_as_the_new_optimum_and_drops_a_worse_one
              for give in range(3) for take in range(3) if give != take]
     ratio = {m: model.step_time(list(m)) / best.step_time for m in moves}
     near, far = min(moves, key=ratio.__getitem__), (200, 500, 500)
-    assert ratio[near] <= 1 + PLAN_HOLD < model.step_time(list(far)) / best.step_time
+    assert ratio[near] <= 1 + planner.config.plan_hold < model.step_time(list(far)) / best.step_time
     for split, kept in ((near, True), (far, False)):
         planner.current = dataclasses.replace(planner.current, local_batches=split)
         record = planner.replan(30)
