@@ -62,9 +62,9 @@ def straggler_cases(n: int = 1024) -> list[tuple[str, Callable[[], object]]]:
     slopes down to 1e-9 s/sample (issue 17): the planner's worst cases for the number of
     samples any worker could finish by the step time."""
 
-    def choose(slow: list[NodeModel], fast: NodeModel = FAST) -> Callable[[], object]:
-        cluster = ClusterModel(nodes=[fast] * (n - len(slow)) + slow, comm=COMM)
-        return lambda: choose_batch_size(cluster, 1e4, 16 * n, 128 * n)
+    def choose(slow: list[NodeModel], phi: float = 1e4) -> Callable[[], object]:
+        cluster = ClusterModel(nodes=[FAST] * (n - len(slow)) + slow, comm=COMM)
+        return lambda: choose_batch_size(cluster, phi, 16 * n, 128 * n)
 
     tiny = NodeModel(fwd=(0.005, 1e-9), bwd=(0.01, 1e-9))
     mixed = ([NodeModel(fwd=(0.0, 2e-6), bwd=(0.0, 2e-6))] * 100
@@ -76,6 +76,10 @@ def straggler_cases(n: int = 1024) -> list[tuple[str, Callable[[], object]]]:
     return [
         ("choose, one 0.5 s straggler", choose([NodeModel(fwd=(0.5, 0.01), bwd=(0.5, 0.02))])),
         ("choose, one 2 s straggler", choose([NodeModel(fwd=(1.0, 0.02), bwd=(1.0, 0.04))])),
+        ("choose, 0.5 s straggler, pure noise",
+         choose([NodeModel(fwd=(0.5, 0.01), bwd=(0.5, 0.02))], phi=float("inf"))),
+        ("choose, 2 workers 10x slower, phi 300",
+         choose([NodeModel(fwd=(0.05, 5e-4), bwd=(0.1, 1e-3))] * 2, phi=300.0)),
         ("choose, 4 workers 100x slower", lambda: choose_batch_size(few, 1e4, 16 * n, 128 * n)),
         ("choose, 2 workers at 1e-9 s/sample", choose([tiny] * 2)),
         ("choose, 1e-9 s/sample + straggler",
