@@ -5,7 +5,8 @@
 Cost: ``optimal_split`` per call at n = 16, 256, 1024 workers (2 buckets), with the
 cluster's arrays cached (the planner re-splitting one model) and from a fresh
 ``ClusterModel`` (a new model after a re-fit); ``choose_batch_size`` per call at n = 16
-and 1024. Quality over random clusters: the integer split's step time against the LP
+and 1024; time and peak memory of the straggler clusters of issue 17 at n = 1024. Quality
+over random clusters: the integer split's step time against the LP
 lower bound of §2 (solved independently by scipy's HiGHS) and against the even and
 throughput-proportional splits. Timings on a shared machine are noisy: the best of
 several repeats is reported next to the median.
@@ -16,7 +17,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 import timeit
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the re
 
 from cannikin.goodput import choose_batch_size  # noqa: E402
 from cannikin.optperf import even_split, optimal_split, proportional_split  # noqa: E402
-from cannikin.perf import ClusterModel, CommModel, NodeModel  # noqa: E402
+from cannikin.perf import ClusterModel, CommModel, NodeFitter, NodeModel  # noqa: E402
 from references import lp_bound  # noqa: E402
 
 # Relative per-sample speed and memory (max local batch) of a few GPU kinds, roughly
@@ -47,6 +51,122 @@ def random_cluster(rng: np.random.Generator, n: int) -> ClusterModel:
     comm = CommModel(buckets=[(float(rng.uniform(0.1, 0.5)), float(rng.uniform(0.005, 0.05))),
                               (1.0, float(rng.uniform(0.001, 0.01)))])
     return ClusterModel(nodes=nodes, comm=comm)
+
+
+FAST = NodeModel(fwd=(0.005, 5e-5), bwd=(0.01, 1e-4))
+COMM = CommModel(buckets=[(0.5, 0.01), (1.0, 0.01)])
+
+
+def straggler_cases(n: int = 1024) -> list[tuple[str, Callable[[], object]]]:
+    """Clusters of uncapped fast workers with one or a few workers 10-1000x slower, and
+    slopes down to 1e-9 s/sample (issue 17): the planner's worst cases for the number of
+    samples any worker could finish by the step time."""
+
+    def choose(slow: list[NodeModel], phi: float = 1e4) -> Callable[[], object]:
+        cluster = ClusterModel(nodes=[FAST] * (n - len(slow)) + slow, comm=COMM)
+        return lambda: choose_batch_size(cluster, phi, 16 * n, 128 * n)
+
+    tiny = NodeModel(fwd=(0.005, 1e-9), bwd=(0.01, 1e-9))
+    mixed = ([NodeModel(fwd=(0.0, 2e-6), bwd=(0.0, 2e-6))] * 100
+             + [NodeModel(fwd=(1.0, 2e-6), bwd=(0.0, 2e-6))] * (n - 124)
+             + [NodeModel(fwd=(4.0, 0.01), bwd=(0.0, 0.01))])
+    split = ClusterModel(nodes=mixed[:n - 23] + mixed[-1:])  # the issue's 1001 workers
+    few = ClusterModel(nodes=[FAST] * (n - 4) + [NodeModel(fwd=(0.5, 5e-3), bwd=(1.0, 1e-2))] * 4,
+                       comm=COMM)
+    return [
+        ("choose, one 0.5 s straggler", choose([NodeModel(fwd=(0.5, 0.01), bwd=(0.5, 0.02))])),
+        ("choose, one 2 s straggler", choose([NodeModel(fwd=(1.0, 0.02), bwd=(1.0, 0.04))])),
+        ("choose, 0.5 s straggler, pure noise",
+         choose([NodeModel(fwd=(0.5, 0.01), bwd=(0.5, 0.02))], phi=float("inf"))),
+        ("choose, 2 workers 10x slower, phi 300",
+         choose([NodeModel(fwd=(0.05, 5e-4), bwd=(0.1, 1e-3))] * 2, phi=300.0)),
+        ("choose, 4 workers 100x slower", lambda: choose_batch_size(few, 1e4, 16 * n, 128 * n)),
+        ("choose, 2 workers at 1e-9 s/sample", choose([tiny] * 2)),
+        ("choose, 1e-9 s/sample + straggler",
+         choose([tiny, NodeModel(fwd=(0.5, 0.01), bwd=(0.5, 0.02))])),
+        ("split, issue's B = 30500", lambda: optimal_split(split, 30500)),
+        ("split, 4 slower at B = 64n", lambda: optimal_split(few, 64 * n)),
+        ("split, 1e-9 s/sample at B = 128n", lambda: optimal_split(
+            ClusterModel(nodes=[FAST] * (n - 2) + [tiny] * 2, comm=COMM), 128 * n)),
+    ]
+
+
+def time_and_memory(fn: Callable[[], object], repeat: int = 3) -> tuple[float, float, object]:
+    """Best wall time (ms) of ``repeat`` calls, peak memory (MB) traced in a separate call
+    (numpy reports its buffers to tracemalloc), and the result."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    tracemalloc.start()
+    fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return best * 1e3, peak / 2**20, result
+
+
+def bench_stragglers() -> None:
+    print("stragglers at n = 1024: best of 3 (ms), peak traced memory (MB)")
+    for name, fn in straggler_cases():
+        ms, mb, _ = time_and_memory(fn)
+        print(f"  {name:38s} {ms:8.2f} ms {mb:8.2f} MB")
+
+
+def filled_fitters(rng: np.random.Generator, n: int) -> tuple[list[NodeFitter],
+                                                                Callable[[], None]]:
+    """A re-plan's state at n workers: each window full (64 steps of a held plan at two
+    batch sizes, 10% timing noise) and the warm-up's even split remembered; and a function
+    that adds one more step's sample to every worker (so that the next fit is a refit)."""
+    fitters = [NodeFitter() for _ in range(n)]
+    slow = rng.uniform(1.0, 4.0, n)
+    steps = [0]
+
+    def add(batch: list[int], remember: bool) -> None:
+        noise = rng.lognormal(0.0, 0.1, n) * slow
+        for f, b, s in zip(fitters, batch, noise.tolist(), strict=True):
+            f.add(b, s * (0.005 + 5e-5 * b), s * (0.01 + 1e-4 * b), remember=remember)
+
+    def step() -> None:
+        steps[0] += 1
+        add([int(32 / s) + steps[0] % 2 for s in slow.tolist()], False)
+
+    for _ in range(4):
+        add([32] * n, True)
+    for _ in range(fitters[0].window):
+        step()
+    return fitters, step
+
+
+def bench_replan(rng: np.random.Generator) -> None:
+    """A full re-plan on every rank after a step: refit every worker, choose the total."""
+    n = 1024
+    fitters, step = filled_fitters(rng, n)
+    comm = CommModel(buckets=[(0.5, 0.01), (1.0, 0.01)])
+
+    def refit() -> list[NodeModel | None]:
+        step()  # untimed in the figures below: each worker's new sample
+        start = time.perf_counter()
+        nodes = [f.fit(name=f"w{i}") for i, f in enumerate(fitters)]
+        refit_s.append(time.perf_counter() - start)
+        return nodes
+
+    def replan() -> object:
+        nodes = refit()
+        cluster = ClusterModel(nodes=[nd for nd in nodes if nd is not None], comm=comm)
+        return choose_batch_size(cluster, 1e4, 16 * n, 128 * n)
+
+    refit_s: list[float] = []
+    for _ in range(3):
+        refit()
+    fit_ms = min(refit_s) * 1e3
+    _, mb, _ = time_and_memory(replan)
+    cluster = ClusterModel(nodes=[nd for nd in refit() if nd is not None], comm=comm)
+    choose_ms, _, _ = time_and_memory(lambda: choose_batch_size(cluster, 1e4, 16 * n, 128 * n))
+    print(f"re-plan at n = {n}: refit of every worker {fit_ms:.1f} ms "
+          f"({fit_ms / n * 1e3:.0f} us each) + choose_batch_size {choose_ms:.1f} ms = "
+          f"{fit_ms + choose_ms:.1f} ms, peak {mb:.2f} MB; an unchanged worker's refit is "
+          f"its cached fit")
 
 
 def per_call_ms(fn: object, number: int, repeat: int = 7) -> tuple[float, float]:
@@ -117,6 +237,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     bench_cost(rng)
+    bench_stragglers()
+    bench_replan(rng)
     bench_quality(rng, args.clusters)
 
 

@@ -4,6 +4,7 @@ the same thing."""
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -41,3 +42,23 @@ def lp_bound(cluster: ClusterModel, total: float) -> float:
     if res.status != 0:
         raise RuntimeError(f"the LP bound did not solve: {res.message}")
     return float(res.fun)
+
+
+def greedy_hand_out(cluster: ClusterModel, base: list[int], remaining: int) -> list[int]:
+    """Hand ``remaining`` samples out one at a time from a heap of next-sample finishing
+    times (ties: the lower worker first), each worker's time evaluated as
+    ``max_j(offsets + slopes * b)``: the exact greedy of DESIGN §2, one pop per sample."""
+    arr = cluster.arrays
+    result = list(base)
+
+    def finish(i: int, b: int) -> float:
+        return float(np.max(arr.offsets[i] + arr.slopes[i] * float(b)))
+
+    heap = [(finish(i, b + 1), i) for i, b in enumerate(result) if b + 1 <= arr.hi[i]]
+    heapq.heapify(heap)
+    for _ in range(remaining):
+        _, i = heapq.heappop(heap)
+        result[i] += 1
+        if result[i] + 1 <= arr.hi[i]:
+            heapq.heappush(heap, (finish(i, result[i] + 1), i))
+    return result

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from cannikin.optperf import (
     Splitter,
     _hand_out,
-    _hand_out_heap,
     costly_workers,
     even_split,
     optimal_split,
@@ -24,7 +23,7 @@ from cannikin.optperf import (
     zero_split,
 )
 from cannikin.perf import ClusterModel, CommModel, NodeModel
-from references import lp_bound
+from references import greedy_hand_out, lp_bound
 from test_perf import timeline_step_time
 
 
@@ -186,17 +185,64 @@ def test_step_times_for_a_range_match_single_splits() -> None:
 
 
 def test_vectorised_hand_out_equals_heap() -> None:
+    """The listed hand-out gives exactly the heap's samples, also where a fast worker could
+    finish far more than the remainder by the time it takes (a straggler) and with slopes
+    of 1e-9 s/sample next to offsets of 1 s (the inverse loses digits there)."""
     rng = np.random.default_rng(5)
-    for _ in range(20):
-        cluster = random_cluster(rng, 300, 2)
+    for k in range(60):
+        n = int(rng.integers(2, 300))
+        cluster = random_cluster(rng, n, int(rng.integers(1, 4)))
+        nodes = list(cluster.nodes)
+        if k % 3 == 1:  # a straggler: the others' room by its time is huge
+            nodes[int(rng.integers(n))] = NodeModel(fwd=(5.0, 0.1), bwd=(5.0, 0.1))
+        if k % 3 == 2:  # tiny slopes
+            for i in rng.integers(0, n, 3):
+                nodes[int(i)] = NodeModel(fwd=(1.0, 1e-9), bwd=(float(rng.uniform(0, 1)), 1e-9),
+                                          max_batch=nodes[int(i)].max_batch)
+        cluster = ClusterModel(nodes=nodes, comm=cluster.comm)
         arr = cluster.arrays
-        base = np.minimum(rng.integers(0, 30, 300), arr.hi).astype(np.int64)
+        base = np.minimum(rng.integers(0, 30, n), arr.hi).astype(np.int64)
         base = np.maximum(base, arr.lo.astype(np.int64))
-        remaining = int(rng.integers(1, 300))
+        room = float(np.sum(arr.hi - base))
+        remaining = int(rng.integers(1, int(min(room, 3 * n)) + 1))
         fast = _hand_out(arr, base, remaining)
-        slow = _hand_out_heap(arr, base, remaining)
-        assert fast.sum() == slow.sum() == base.sum() + remaining
-        assert cluster.step_time(fast) == pytest.approx(cluster.step_time(slow), rel=1e-12)
+        assert fast.tolist() == greedy_hand_out(cluster, base.tolist(), remaining)
+
+
+def test_step_times_with_a_straggler_match_the_greedy_from_the_minima() -> None:
+    """Every total's step time from the heap greedy started at the minima (an independent
+    route), where the fast workers could finish far more than the range by the straggler's
+    time."""
+    rng = np.random.default_rng(13)
+    for _ in range(6):
+        cluster = random_cluster(rng, int(rng.integers(2, 12)), int(rng.integers(1, 3)))
+        cluster = ClusterModel(nodes=[*cluster.nodes, NodeModel(fwd=(3.0, 0.05), bwd=(3.0, 0.1))],
+                               comm=cluster.comm)
+        lo, hi = bounds(cluster, 10**6)
+        first = int(rng.integers(lo, min(hi, lo + 300) + 1))
+        last = min(hi, first + 400)
+        times = Splitter(cluster).step_times(first, last)
+        minima = [n.min_batch for n in cluster.nodes]
+        ref = [cluster.step_time(greedy_hand_out(cluster, minima, total - lo))
+               for total in range(first, last + 1)]
+        assert times.tolist() == ref
+
+
+def test_straggler_costs_bounded_memory() -> None:
+    """Issue 17's reproducers: a fast worker could finish thousands of samples by a
+    straggler's time; only what the total needs is listed (<= 50 MB at n = 1024)."""
+    import tracemalloc
+
+    nodes = ([NodeModel(fwd=(0, 2e-6), bwd=(0, 2e-6))] * 100
+             + [NodeModel(fwd=(1, 2e-6), bwd=(0, 2e-6))] * 900
+             + [NodeModel(fwd=(4, .01), bwd=(0, .01))])
+    tracemalloc.start()
+    plan = optimal_split(ClusterModel(nodes=nodes), 30500)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 50 * 2**20
+    assert sum(plan.local_batches) == 30500 and plan.local_batches[-1] == 1
+    assert plan.step_time == pytest.approx(4.02)
 
 
 def test_large_cluster_matches_lp() -> None:

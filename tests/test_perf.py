@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -453,3 +454,24 @@ def test_remembered_batch_sizes_keep_the_spread() -> None:
     # 82 came: 80, 81, 82 are 1 apart and 80 is the oldest; 3 came: 81 and 82, 81 older
     assert [b for b in (1, 3, 80, 81, 82, 160) if fitter.level_count(b)] == [1, 3, 82, 160]
     assert fitter.nearest_level(150) == 160.0 and fitter.level_count(160) == 3
+
+
+def test_a_refit_without_new_samples_is_the_last_fit() -> None:
+    """Only workers with new samples are refitted: asking again returns the same model
+    (also across a speed change, where a fit forgets the older samples), and the
+    trajectory is that of a fitter asked once per step."""
+    rng = np.random.default_rng(21)
+    twice, once = NodeFitter(), NodeFitter()
+    for step in range(120):
+        batch = int(rng.integers(4, 40))
+        slow = 2.0 if step > 70 else 1.0
+        noise = float(rng.lognormal(0, 0.1))
+        values = (batch, slow * noise * (0.01 + 1e-3 * batch), slow * noise * (0.02 + 2e-3 * batch))
+        twice.add(*values, remember=step < 6)
+        once.add(*values, remember=step < 6)
+        first = twice.fit(name="w")
+        again = twice.fit(name="w")
+        assert again == first and again == once.fit(name="w")
+        assert twice.fit(name="v", max_batch=50) == dataclasses.replace(first, name="v",
+                                                                         max_batch=50)
+    assert twice.num_samples < 64  # the speed change was found and the window cut

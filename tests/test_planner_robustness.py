@@ -220,7 +220,7 @@ def test_a_held_plan_stays_near_optimal_under_heavy_noise_for_long() -> None:
     # once a plan holds, each worker's batch spans a few samples; under 25% timing noise the
     # least-squares slope of so narrow a range lands near 0 about as often as near the truth,
     # and the next plan then gives that worker most of the batch. Without the fitter's slope
-    # prior (cannikin.perf.SLOPE_PRIOR_SD) the worst plans here were 1.15-1.32x the optimum
+    # prior (FitConfig.slope_prior_sd) the worst plans here were 1.15-1.32x the optimum
     # (up to 2.6x in 2000-step runs); with it, 1.03-1.06x.
     def noisy(seed: int) -> Corrupt:
         rng = np.random.default_rng(200 + seed)

@@ -12,18 +12,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cannikin.optperf import optimal_split
+from cannikin.optperf import optimal_split, share_split
 from cannikin.perf import ClusterModel, CommModel, NodeModel
 from cannikin.runtime.planner import (
     MAX_BUCKETS,
-    MEASURE_STRIDE,
-    PLAN_HOLD,
     REPORT_SIZE,
     Planner,
     PlannerConfig,
     StepReport,
     WorkerReport,
-    capped_even_split,
     merge_buckets,
 )
 
@@ -120,7 +117,7 @@ def test_a_held_plan_measures_every_fourth_step_and_a_new_plan_every_step() -> N
                                     max_replan_every=40))
     assert all(planner.measures(s) for s in range(8))  # warm-up: every step
     run(planner, cluster, 120)
-    assert [planner.measures(s) for s in range(120, 128)] == [s % MEASURE_STRIDE == 0
+    assert [planner.measures(s) for s in range(120, 128)] == [s % planner.config.measure_stride == 0
                                                             for s in range(120, 128)]
     assert planner.noise.num_updates < 120 - 30  # the unmeasured steps sent nothing
     planner.lower_cap(0, 32)
@@ -138,7 +135,7 @@ def test_a_replan_keeps_a_split_as_good_as_the_new_optimum_and_drops_a_worse_one
              for give in range(3) for take in range(3) if give != take]
     ratio = {m: model.step_time(list(m)) / best.step_time for m in moves}
     near, far = min(moves, key=ratio.__getitem__), (200, 500, 500)
-    assert ratio[near] <= 1 + PLAN_HOLD < model.step_time(list(far)) / best.step_time
+    assert ratio[near] <= 1 + planner.config.plan_hold < model.step_time(list(far)) / best.step_time
     for split, kept in ((near, True), (far, False)):
         planner.current = dataclasses.replace(planner.current, local_batches=split)
         record = planner.replan(30)
@@ -217,13 +214,13 @@ def test_report_vector_round_trip_and_bucket_merging() -> None:
 
 @given(st.integers(0, 500), st.lists(st.one_of(st.none(), st.integers(1, 200)), min_size=1,
                                      max_size=8))
-def test_capped_even_split(total: int, caps: list[int | None]) -> None:
+def test_even_split_under_caps(total: int, caps: list[int | None]) -> None:
     room = sum(total if c is None else c for c in caps)
     if room < total:
-        with pytest.raises(ValueError, match="exceeds the sum of the local caps"):
-            capped_even_split(total, caps)
+        with pytest.raises(ValueError, match="cannot split"):
+            share_split(total, np.ones(len(caps)), caps)
         return
-    split = capped_even_split(total, caps)
+    split = share_split(total, np.ones(len(caps)), caps)
     assert sum(split) == total
     assert all(c is None or b <= c for b, c in zip(split, caps, strict=True))
     free = [b for b, c in zip(split, caps, strict=True) if c is None or b < c]

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from cannikin.cli import main
-from cannikin.optperf import optimal_split
+from cannikin.optperf import optimal_split, share_split
 from cannikin.sim import ClusterSpec, GroundTruth, NoiseConfig, SimConfig, Slowdown, compare
 from cannikin.sim import workload as get_workload
 from cannikin.sim.cluster import spec_from_dict
 from cannikin.sim.engine import drive, make_context, make_policy, run_policy
 from cannikin.sim.measure import Measurement, PolicyContext
-from cannikin.sim.policies import LEARNING_POLICIES, proportional_split
+from cannikin.sim.policies import LEARNING_POLICIES
 from cannikin.sim.profiles import devices, workloads
 from cannikin.sim.truth import StepBlock, timeline
 
@@ -126,10 +126,10 @@ def test_cluster_dict_parsing_and_errors() -> None:
 
 def test_proportional_split_respects_caps_and_total() -> None:
     caps = np.array([5, 100, 100])
-    split = proportional_split(60, np.array([10.0, 1.0, 1.0]), caps)
+    split = share_split(60, np.array([10.0, 1.0, 1.0]), caps.tolist(), minimum=1)
     assert sum(split) == 60 and split[0] == 5 and abs(split[1] - split[2]) <= 1
     with pytest.raises(ValueError, match="cannot split"):
-        proportional_split(500, np.ones(3), caps)
+        share_split(500, np.ones(3), caps.tolist(), minimum=1)
 
 
 # --- the oracle's planning against brute force on the ground truth -------------------------

@@ -10,8 +10,10 @@ piece ``T = p + q*B`` the goodput ``~ B / ((phi + B)(p + q*B))`` peaks at
 the integer maximiser must reach; since integer step times are never below the
 continuous ones, the maximiser lies where the continuous goodput reaches it too (a
 quadratic inequality per piece), and every integer total there is evaluated exactly
-with one sort (:meth:`~cannikin.optperf.Splitter.step_times`). Cost O(n log n) plus that
-range, which is narrow except on very flat goodput curves (capped at ``MAX_SCAN``).
+with one sort (:meth:`~cannikin.optperf.Splitter.step_times`). Cost O(n m log(n m)) for
+the curve, a few integer splits, and O((R + n) log(R + n)) time and O(R + n) memory for
+the R totals in that range, which is narrow except on very flat goodput curves (R is
+capped at ``MAX_SCAN``); stragglers do not widen it.
 """
 
 from __future__ import annotations

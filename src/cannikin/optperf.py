@@ -15,7 +15,6 @@ min-max of increasing per-worker costs.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -242,47 +241,72 @@ def _continuous(arr: ClusterArrays, bp: _Breakpoints, total: float) -> FloatArra
     return _supply(arr, np.full(n, t_star))
 
 
-def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
-    """Give ``remaining`` single samples, each to the worker that would finish it first.
+def _units_by(arr: ClusterArrays, base: IntArray, room: FloatArray, t: float) -> IntArray:
+    """How many of its next ``room`` samples beyond ``base`` each worker finishes by ``t``.
 
-    Equivalent to popping a heap of next-sample finishing times ``remaining`` times, done
-    at once: the ``remaining``-th smallest first-extra-sample time bounds every chosen
-    one, so only the (few) units finishing by then are listed, sorted and taken.
+    Counted as :func:`_times` evaluates them (so ties and rounding fall exactly as a heap of
+    finishing times would pop them): the inverse ``beta_i(t)`` gives the count up to the
+    digits lost when a slope is tiny next to its offset, and forward evaluations at the
+    count's edge correct it (a unit or two, and only then).
     """
-    if remaining <= 0:
-        return base
-    first = np.where(base + 1 <= arr.hi, _times(arr, (base + 1).astype(np.float64)), np.inf)
-    order = np.argsort(first, kind="stable")
-    if remaining > first.size or not math.isfinite(float(first[order[remaining - 1]])):
-        return _hand_out_heap(arr, base, remaining)
-    bound = float(first[order[remaining - 1]])
-    room = _supply(arr, np.full(base.size, bound))
-    fits = np.floor(room + 1e-9 * np.maximum(np.abs(room), 1.0)) - base
-    counts = np.clip(fits, 0, arr.hi - base).astype(np.int64)
-    # Inverting tau loses digits when a slope is tiny next to the offset: never drop a
-    # first sample known to finish by the bound (so at least ``remaining`` are listed).
-    counts = np.maximum(counts, first <= bound)
-    worker = np.repeat(np.arange(base.size), counts)
+    with np.errstate(invalid="ignore"):  # inf - inf for a worker with no room
+        beta = np.min((t - arr.offsets) / arr.slopes, axis=1)
+    counts: IntArray = np.clip(np.floor(beta) - base, 0, room).astype(np.int64)
+    while True:
+        more = (counts < room) & (_times(arr, (base + counts + 1).astype(np.float64)) <= t)
+        fewer = (counts > 0) & (_times(arr, (base + counts).astype(np.float64)) > t)
+        if not (np.any(more) or np.any(fewer)):
+            return counts
+        counts += more.astype(np.int64) - fewer.astype(np.int64)
+
+
+def _cheapest(arr: ClusterArrays, base: IntArray, count: int) -> tuple[IntArray, FloatArray]:
+    """The ``count`` samples beyond ``base`` that finish first: each one's worker and
+    finishing time, in finishing order (ties: the lower worker first).
+
+    What popping a heap of next-sample finishing times ``count`` times gives, in O(count + n)
+    memory however many samples a fast worker could finish by then: a bisection on the time
+    ``t`` finds one by which at least ``count`` and at most ``count + n`` samples finish
+    (no worker counts more than ``count``); those alone are listed and sorted. Costs
+    O(n m) per bisection step (usually none to a few, 16 for issue 17's straggler split;
+    at most the ~60-100 halvings down to adjacent floats) plus O((count + n) log(count +
+    n)). The total must fit the caps (``sum(hi - base) >= count``).
+    """
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    n = base.size
+    room = np.minimum(arr.hi - base, float(count))  # no worker gives more than count
+    has_room = room >= 1
+    first = np.where(has_room, _times(arr, (base + 1).astype(np.float64)), np.inf)
+    if count <= int(np.sum(has_room)):
+        hi = float(np.partition(first, count - 1)[count - 1])  # count first samples by then
+    else:  # every worker's room by then: sum(room) >= count
+        hi = float(np.max(np.where(has_room, _times(arr, (base + room).astype(np.float64)),
+                                  -np.inf)))
+    lo = float(np.nextafter(np.min(first), -np.inf))  # nothing finishes by lo
+    counts = _units_by(arr, base, room, hi)
+    while int(counts.sum()) > count + n:
+        mid = lo + 0.5 * (hi - lo)
+        if not lo < mid < hi:
+            break  # adjacent floats: hi is the count-th time, at most n samples tie at it
+        at_mid = _units_by(arr, base, room, mid)
+        if int(at_mid.sum()) >= count:
+            hi, counts = mid, at_mid
+        else:
+            lo = mid
+    worker = np.repeat(np.arange(n), counts)
     step = np.arange(worker.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
     finish = np.max(arr.offsets[worker] + arr.slopes[worker] * (base[worker] + step)[:, None],
                     axis=1)
-    taken = worker[np.lexsort((worker, finish))[:remaining]]
-    result = base + np.bincount(taken, minlength=base.size)
-    return result
+    order = np.lexsort((worker, finish))[:count]
+    return worker[order], finish[order]
 
 
-def _hand_out_heap(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
-    """:func:`_hand_out` one sample at a time (for large remainders, after float slack)."""
-    result = base.copy()
-    first = np.where(base + 1 <= arr.hi, _times(arr, (base + 1).astype(np.float64)), np.inf)
-    heap = [(float(v), i) for i, v in enumerate(first.tolist()) if math.isfinite(v)]
-    heapq.heapify(heap)
-    for _ in range(remaining):
-        _, i = heapq.heappop(heap)
-        result[i] += 1
-        if result[i] + 1 <= arr.hi[i]:
-            nxt = float(np.max(arr.offsets[i] + arr.slopes[i] * (result[i] + 1.0)))
-            heapq.heappush(heap, (nxt, i))
+def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
+    """Give ``remaining`` single samples, each to the worker that would finish it first
+    (:func:`_cheapest`)."""
+    taken, _ = _cheapest(arr, base, remaining)
+    result: IntArray = base + np.bincount(taken, minlength=base.size)
     return result
 
 
@@ -328,30 +352,17 @@ class Splitter:
 
         From the optimal split of ``first`` (all its samples finish by ``T1``), the
         optimum of ``first + k`` is ``max(T1, c_k)`` with ``c_k`` the k-th smallest
-        finishing time among the samples not yet handed out; those are listed up to the
-        optimum of ``last`` and sorted once: O((last - first + n) log) for the whole range.
+        finishing time among the samples not yet handed out (:func:`_cheapest`), for the
+        whole range in O((last - first + n) log(last - first + n)) time (plus a few O(n m)
+        bisection steps) and O(last - first + n) memory.
         """
         _check_total(self._arr, first)
         _check_total(self._arr, last)
         if last < first:
             raise ValueError(f"last={last} must be >= first={first}")
         start = self.split(first)
-        if last == first:
-            return np.array([start.step_time])
-        top = self.split(last).step_time
-        base = np.array(start.local_batches, dtype=np.int64)
-        room = _supply(self._arr, np.full(base.size, top))
-        fits = np.floor(room + 1e-9 * np.maximum(room, 1.0)) - base
-        counts = np.clip(fits, 0, self._arr.hi - base).astype(np.int64)
-        worker = np.repeat(np.arange(base.size), counts)
-        step = np.arange(worker.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
-        finish = np.sort(np.max(
-            self._arr.offsets[worker] + self._arr.slopes[worker] * (base[worker] + step)[:, None],
-            axis=1,
-        ))
-        need = last - first
-        # A sample finishing exactly at ``top`` may be lost to rounding; it finishes at top.
-        finish = np.concatenate([finish[:need], np.full(max(need - finish.size, 0), top)])
+        _, finish = _cheapest(self._arr, np.array(start.local_batches, dtype=np.int64),
+                              last - first)
         return np.concatenate([[start.step_time], np.maximum(start.step_time, finish)])
 
 
@@ -479,21 +490,50 @@ def costly_workers(cluster: ClusterModel, plan: Plan,
     return tuple(found)
 
 
-def _round_shares(shares: FloatArray, total_batch: int) -> tuple[int, ...]:
-    """Largest-remainder rounding of non-negative ``shares`` summing to ``total_batch``."""
-    base = np.floor(shares).astype(np.int64)
-    rest = total_batch - int(base.sum())
-    order = np.argsort(-(shares - base), kind="stable")
-    base[order[:rest]] += 1
+def share_split(total_batch: int, weights: npt.ArrayLike,
+                caps: Sequence[int | None] | None = None, minimum: int = 0) -> tuple[int, ...]:
+    """``minimum`` samples each, the rest in proportion to ``weights``, none above its cap.
+
+    The one even/proportional rule (the baselines, the warm-up's even split, the
+    simulator's policies): a worker whose share would pass its cap (``None``: uncapped)
+    is pinned there and the rest shared again among the others (water-filling); shares are
+    rounded by largest remainder, ties to the lower rank. Weights are floored at 1e-12 so
+    a zero weight still gets its minimum. ValueError unless ``minimum * n <= total_batch
+    <= sum(caps)``.
+    """
+    w = np.maximum(np.asarray(weights, dtype=np.float64), 1e-12)
+    n = w.size
+    cap = np.full(n, np.inf) if caps is None else np.array(
+        [np.inf if c is None else c for c in caps], dtype=np.float64)
+    if cap.shape != (n,):
+        raise ValueError(f"caps {list(caps or [])} need one entry per weight ({n})")
+    if not _is_int(total_batch) or not minimum * n <= total_batch <= float(cap.sum()):
+        raise ValueError(f"cannot split total_batch={total_batch!r} over {n} workers: it "
+                         f"must be an integer in [{minimum} x {n}, sum of the caps "
+                         f"{float(cap.sum()):g}]")
+    out = np.full(n, float(minimum))
+    free = np.ones(n, dtype=bool)
+    while True:  # water-fill: workers whose share exceeds their cap are pinned there
+        left = total_batch - out[~free].sum()
+        with np.errstate(invalid="ignore"):  # 0/0 once the caps hold everything
+            share = minimum + (left - minimum * free.sum()) * w / w[free].sum()
+        share[~free] = out[~free]
+        over = free & (share > cap)
+        if not over.any():
+            break
+        out[over] = cap[over]
+        free &= ~over
+    base = np.minimum(np.where(free, np.floor(share), out), cap)
+    remainder = np.where(free, share - np.floor(share), -1.0)
+    base[np.argsort(-remainder, kind="stable")[: total_batch - int(base.sum())]] += 1
     return tuple(int(v) for v in base)
 
 
 def even_split(cluster: ClusterModel, total_batch: int) -> Plan:
     """The homogeneous baseline (DDP, AdaptDL): equal shares, ignoring speeds and caps."""
-    n = cluster.size
     if not _is_int(total_batch) or total_batch < 0:
         raise ValueError(f"total_batch={total_batch!r} must be an integer >= 0")
-    local = tuple(total_batch // n + (1 if i < total_batch % n else 0) for i in range(n))
+    local = share_split(total_batch, np.ones(cluster.size))
     return Plan(local_batches=local, step_time=cluster.step_time(local))
 
 
@@ -515,5 +555,5 @@ def proportional_split(
         speed = np.asarray(throughput, dtype=np.float64)
         if speed.shape != (n,) or not np.all(np.isfinite(speed)) or np.any(speed <= 0):
             raise ValueError(f"throughput must be {n} finite values > 0, got {throughput!r}")
-    local = _round_shares(total_batch * speed / speed.sum(), total_batch)
+    local = share_split(total_batch, speed)
     return Plan(local_batches=local, step_time=cluster.step_time(local))

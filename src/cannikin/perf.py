@@ -31,40 +31,62 @@ logger = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
 
-# Residuals further than this many robust standard deviations (1.4826 * MAD) from the
-# median residual are treated as outliers (stragglers, GC pauses) and left out of the fit.
-OUTLIER_SIGMAS = 3.5
-# A fitted slope is never below this fraction of the worker's mean per-sample time, so a
-# noisy fit cannot make a worker look free for extra samples (the split needs slopes > 0).
-MIN_SLOPE_FRACTION = 1e-3
-# The slope is shrunk toward the proportional model's (the median time per sample: the line
-# with no fixed cost, about the steepest one a non-negative intercept allows) as a Gaussian
-# prior with this relative standard deviation, weighed against the data by the residual
-# noise. Once a plan holds, a worker's batch spans a few samples, and with 25% timing noise
-# the least-squares slope then lands near 0 as often as near the truth: the worker looks
-# free for extra samples and the next plan gives it most of the batch (2.6x the optimal
-# step time in the planner's 2000-step runs). With the prior the same runs stay within
-# 1.06x; spread data outweighs it.
-SLOPE_PRIOR_SD = 0.5
 # Relative tolerance added to the robust scale so exact (noise-free) samples are inliers.
 _SCALE_FLOOR = 1e-9
-# Drift: a worker's speed is taken to have changed when the mean log(measured/predicted)
-# of the latest samples differs from the older ones by more than DRIFT_SIGMAS standard
-# errors and by more than DRIFT_MIN_CHANGE (relative), with >= DRIFT_MIN_SEGMENT samples
-# on each side. Smaller changes are left to the window to absorb.
-DRIFT_SIGMAS = 5.0
-DRIFT_MIN_CHANGE = 0.15
-DRIFT_MIN_SEGMENT = 4
-# Stragglers are clipped before the change-point test, but never closer to the centre than
-# this: at low timing noise 3.5 robust deviations are less than DRIFT_MIN_CHANGE, and the
-# clipping would hide every shift (a 2x slowdown with 5% noise went unseen until it filled
-# half the window). 1.5x the smallest shift keeps two 10x stragglers among the last
-# DRIFT_MIN_SEGMENT samples below it.
-_DRIFT_CLIP_FLOOR = 1.5 * math.log1p(DRIFT_MIN_CHANGE)
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitConfig:
+    """How :class:`NodeFitter` fits a line robustly and tells a lasting speed change."""
+
+    outlier_sigmas: float = 3.5
+    """Residuals further than this many robust standard deviations (1.4826 * MAD) from the
+    median residual are outliers (stragglers, GC pauses), left out of the fit."""
+    min_slope_fraction: float = 1e-3
+    """A fitted slope is never below this fraction of the worker's mean per-sample time, so
+    a noisy fit cannot make a worker look free for extra samples (the split needs slopes
+    > 0)."""
+    slope_prior_sd: float = 0.5
+    """The slope is shrunk toward the proportional model's (the median time per sample: the
+    line with no fixed cost, about the steepest one a non-negative intercept allows) as a
+    Gaussian prior with this relative standard deviation, weighed against the data by the
+    residual noise. Once a plan holds, a worker's batch spans a few samples, and with 25%
+    timing noise the least-squares slope then lands near 0 as often as near the truth: the
+    worker looks free for extra samples and the next plan gives it most of the batch (2.6x
+    the optimal step time in the planner's 2000-step runs). With the prior the same runs
+    stay within 1.06x; spread data outweighs it."""
+    drift_sigmas: float = 5.0
+    """A worker's speed is taken to have changed when the mean log(measured/predicted) of
+    the latest samples differs from the older ones by more than this many standard errors
+    and by more than ``drift_min_change``; smaller changes are left to the window."""
+    drift_min_change: float = 0.15
+    """The smallest relative change of speed the change-point test acts on."""
+    drift_min_segment: int = 4
+    """Samples needed on each side of a change point."""
+
+    def __post_init__(self) -> None:
+        positive = ("outlier_sigmas", "min_slope_fraction", "slope_prior_sd", "drift_sigmas",
+                    "drift_min_change")
+        for name in positive:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be finite and > 0")
+        if not _is_int(self.drift_min_segment) or self.drift_min_segment < 1:
+            raise ValueError(f"drift_min_segment={self.drift_min_segment!r} must be an "
+                             "integer >= 1")
+
+    @property
+    def drift_clip(self) -> float:
+        """Stragglers are clipped before the change-point test, but never closer to the
+        centre than this: at low timing noise ``outlier_sigmas`` robust deviations are less
+        than ``drift_min_change``, and the clipping would hide every shift (a 2x slowdown
+        with 5% noise went unseen until it filled half the window). 1.5x the smallest shift
+        keeps two 10x stragglers among the last ``drift_min_segment`` samples below it."""
+        return 1.5 * math.log1p(self.drift_min_change)
 
 
 def _check_line(name: str, line: tuple[float, float], node: str) -> tuple[float, float]:
@@ -359,14 +381,14 @@ def expected_max(means: npt.ArrayLike, sds: npt.ArrayLike) -> float:
     return lo + float(np.dot(weights, 1.0 - below)) * (hi - lo) / (3 * (points - 1))
 
 
-def _robust_line(b: FloatArray, y: FloatArray, anchor_b: FloatArray | None = None,
-                 anchor_y: FloatArray | None = None,
+def _robust_line(cfg: FitConfig, b: FloatArray, y: FloatArray,
+                 anchor_b: FloatArray | None = None, anchor_y: FloatArray | None = None,
                  anchor_weight: FloatArray | None = None) -> tuple[float, float]:
     """Fit ``y = intercept + slope*b`` robustly; ``b`` and ``anchor_b`` together must hold
     >= 2 distinct values.
 
     Theil-Sen (median of pairwise slopes, 29% breakdown) gives a first line; residuals
-    beyond ``OUTLIER_SIGMAS`` robust standard deviations are dropped; least squares on the
+    beyond ``cfg.outlier_sigmas`` robust standard deviations are dropped; least squares on the
     rest, its slope shrunk toward the proportional model (:func:`_shrunk_line`), gives the
     final estimate. Slope and intercept are kept >= 0 (physical times), refitting through
     the origin when the intercept would be negative. Anchors (``anchor_b``, ``anchor_y``:
@@ -385,7 +407,7 @@ def _robust_line(b: FloatArray, y: FloatArray, anchor_b: FloatArray | None = Non
     centre = np.median(residual)
     scale = 1.4826 * float(np.median(np.abs(residual - centre)))
     scale += _SCALE_FLOOR * float(np.median(np.abs(y))) + np.finfo(np.float64).tiny
-    inlier = np.abs(residual - centre) <= OUTLIER_SIGMAS * scale
+    inlier = np.abs(residual - centre) <= cfg.outlier_sigmas * scale
     bi, yi = b[inlier], y[inlier]
     wi = None
     if anchor_b is not None and anchor_y is not None and anchor_b.size:
@@ -396,8 +418,8 @@ def _robust_line(b: FloatArray, y: FloatArray, anchor_b: FloatArray | None = Non
     positive = b > 0
     proportional = float(np.median(y[positive] / b[positive]))
     if np.unique(bi).size >= 2:
-        slope, intercept = _shrunk_line(bi, yi, proportional, wi)
-    floor = MIN_SLOPE_FRACTION * proportional
+        slope, intercept = _shrunk_line(bi, yi, proportional, cfg.slope_prior_sd, wi)
+    floor = cfg.min_slope_fraction * proportional
     if intercept < 0:
         slope, intercept = float(np.dot(bi, yi) / np.dot(bi, bi)), 0.0
     if slope < floor:
@@ -406,9 +428,9 @@ def _robust_line(b: FloatArray, y: FloatArray, anchor_b: FloatArray | None = Non
     return intercept, slope
 
 
-def _shrunk_line(b: FloatArray, y: FloatArray, prior_slope: float,
+def _shrunk_line(b: FloatArray, y: FloatArray, prior_slope: float, prior_sd: float,
                  weights: FloatArray | None = None) -> tuple[float, float]:
-    """Least squares with a Gaussian prior N(prior_slope, (SLOPE_PRIOR_SD*prior_slope)^2)
+    """Least squares with a Gaussian prior N(prior_slope, (prior_sd*prior_slope)^2)
     on the slope (the posterior mean, a ridge toward the prior); ``b`` holds >= 2 distinct
     values. The prior's weight is the residual variance over the prior's, so exact
     samples give the exact line and samples spread over a wide range of batches outweigh
@@ -428,7 +450,7 @@ def _shrunk_line(b: FloatArray, y: FloatArray, prior_slope: float,
         sxx, sxy = float((weights * db) @ db), float((weights * db) @ dy)
         residual = dy - (sxy / sxx) * db
         noise_var = float((weights * residual) @ residual) / max(float(weights.sum()) - 2, 1.0)
-    prior_var = (SLOPE_PRIOR_SD * prior_slope) ** 2
+    prior_var = (prior_sd * prior_slope) ** 2
     weight = noise_var / prior_var if prior_var > 0 else 0.0
     slope = (sxy + weight * prior_slope) / (sxx + weight)
     return slope, y_mean - slope * b_mean
@@ -443,7 +465,7 @@ class NodeFitter:
     measured/predicted time finds the shift and the older samples are dropped: a 2x
     slowdown with 10% timing noise is followed to within 10% for good after 4-35 new
     samples (median 10 over 20 seeds, window 64; the window alone would need 46-63;
-    ``tests/test_perf.py`` checks <= 36). Shifts under ``DRIFT_MIN_CHANGE`` are absorbed
+    ``tests/test_perf.py`` checks <= 36). Shifts under ``drift_min_change`` are absorbed
     as the window rolls over.
 
     Once a plan holds, the window fills with one or two batch sizes and forgets the
@@ -470,11 +492,17 @@ class NodeFitter:
     ignores one straggler)."""
     noise_min_samples: int = 8
     """Window samples needed to estimate the worker's timing noise (fewer: taken as exact)."""
+    config: FitConfig = field(default_factory=FitConfig)
+    """How each line is fitted and a change of speed told."""
     _samples: deque[tuple[float, float, float]] = field(init=False, repr=False)
     _levels: OrderedDict[float, deque[tuple[float, float]]] = field(init=False, repr=False)
     _medians: dict[float, tuple[float, float]] = field(default_factory=dict, init=False,
                                                        repr=False)  # per level, until it changes
     _shape: tuple[float, float, float, float] | None = field(default=None, init=False, repr=False)
+    _fitted: tuple[tuple[str, int, int | None], NodeModel | None] | None = field(
+        default=None, init=False, repr=False)
+    """The last fit's arguments and result, until a sample arrives: a re-plan refits only
+    the workers with new samples (an idle or unmeasured worker's fit is the same)."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.window) or self.window < 2:
@@ -553,6 +581,7 @@ class NodeFitter:
             )
             return False
         self._samples.append(values)
+        self._fitted = None
         if remember:
             self._remember(values)
         return True
@@ -606,8 +635,15 @@ class NodeFitter:
         """The current model, or None before any sample with a non-zero batch.
 
         If the window shows a significant lasting shift in speed, the samples from before
-        it (and the anchors) are forgotten first (the only state ``fit`` changes).
+        it (and the anchors) are forgotten first (the only state ``fit`` changes). Without
+        a new sample since a fit that forgot nothing, that fit's model is returned as it is.
         """
+        key = (name, min_batch, max_batch)
+        if self._fitted is not None and self._fitted[0] == key:
+            return self._fitted[1]
+        return self._fit(name, min_batch, max_batch)
+
+    def _fit(self, name: str, min_batch: int, max_batch: int | None) -> NodeModel | None:
         if not self._samples:
             return None
         data = np.array(self._samples, dtype=np.float64)
@@ -620,7 +656,7 @@ class NodeFitter:
         tiny = np.finfo(np.float64).tiny
         predicted = np.maximum(f0 + k0 + (f1 + k1) * b, tiny)
         log_ratio = np.log(np.maximum(total, tiny) / predicted)
-        start = _change_point(log_ratio)
+        start = _change_point(log_ratio, self.config)
         if start:
             logger.info("node %r: speed changed %d samples ago; forgetting %d older samples",
                         name, len(self._samples) - start, start)
@@ -639,9 +675,12 @@ class NodeFitter:
             log_ratio = np.log(np.maximum(total, tiny) / predicted)
         if np.unique(np.concatenate([data[:, 0], anchors[:, 0]])).size >= 2:
             self._shape = params
-        return NodeModel(fwd=(f0, f1), bwd=(k0, k1), min_batch=min_batch,
-                         max_batch=max_batch, name=name,
-                         noise=_relative_noise(log_ratio, self.noise_min_samples))
+        model = NodeModel(fwd=(f0, f1), bwd=(k0, k1), min_batch=min_batch,
+                          max_batch=max_batch, name=name,
+                          noise=_relative_noise(log_ratio, self.noise_min_samples))
+        if not start:  # a fit that forgot nothing gives the same model until a sample arrives
+            self._fitted = ((name, min_batch, max_batch), model)
+        return model
 
     def _params(self, data: FloatArray, anchors: FloatArray) -> (
         tuple[float, float, float, float] | None
@@ -651,9 +690,10 @@ class NodeFitter:
         b, fwd, bwd = data.T
         if anchors.size:
             ab, af, ak, aw = anchors.T
-            return (*_robust_line(b, fwd, ab, af, aw), *_robust_line(b, bwd, ab, ak, aw))
+            return (*_robust_line(self.config, b, fwd, ab, af, aw),
+                    *_robust_line(self.config, b, bwd, ab, ak, aw))
         if np.unique(b).size >= 2:
-            return (*_robust_line(b, fwd), *_robust_line(b, bwd))
+            return (*_robust_line(self.config, b, fwd), *_robust_line(self.config, b, bwd))
         at = float(b[0])
         fwd_level, bwd_level = float(np.median(fwd)), float(np.median(bwd))
         if self._shape is not None:
@@ -674,22 +714,23 @@ def _relative_noise(log_ratio: FloatArray, min_samples: int) -> float:
     return float(1.4826 * np.median(np.abs(log_ratio - np.median(log_ratio))))
 
 
-def _change_point(log_ratio: FloatArray) -> int:
+def _change_point(log_ratio: FloatArray, cfg: FitConfig) -> int:
     """Where a lasting shift in measured/predicted time starts (0: none found).
 
-    Stragglers are first clipped to ``OUTLIER_SIGMAS`` robust deviations; then, for
-    every split with at least ``DRIFT_MIN_SEGMENT`` samples on each side, the mean shift
+    Stragglers are first clipped to ``cfg.outlier_sigmas`` robust deviations (at least
+    ``cfg.drift_clip``); then, for every split with at least ``cfg.drift_min_segment``
+    samples on each side, the mean shift
     is compared with its standard error (a two-sample z statistic, all splits at once).
-    A split counts if ``z > DRIFT_SIGMAS`` and the shift exceeds ``DRIFT_MIN_CHANGE``.
+    A split counts if ``z > cfg.drift_sigmas`` and the shift exceeds ``cfg.drift_min_change``.
     """
     n = log_ratio.size
-    if n < 2 * DRIFT_MIN_SEGMENT:
+    if n < 2 * cfg.drift_min_segment:
         return 0
     centre = float(np.median(log_ratio))
     scale = 1.4826 * float(np.median(np.abs(log_ratio - centre)))
-    reach = max(OUTLIER_SIGMAS * scale, _DRIFT_CLIP_FLOOR)
+    reach = max(cfg.outlier_sigmas * scale, cfg.drift_clip)
     x = np.clip(log_ratio, centre - reach, centre + reach)
-    split = np.arange(DRIFT_MIN_SEGMENT, n - DRIFT_MIN_SEGMENT + 1)
+    split = np.arange(cfg.drift_min_segment, n - cfg.drift_min_segment + 1)
     s1 = np.cumsum(x)[split - 1]
     s2 = np.cumsum(x * x)[split - 1]
     before, after = split.astype(np.float64), (n - split).astype(np.float64)
@@ -698,9 +739,9 @@ def _change_point(log_ratio: FloatArray) -> int:
     sd = np.sqrt(np.maximum(within, 0.0) / (n - 2)) + _SCALE_FLOOR
     shift = np.abs(mean_b - mean_a)
     z = shift / (sd * np.sqrt(1.0 / before + 1.0 / after))
-    z = np.where(shift > math.log1p(DRIFT_MIN_CHANGE), z, 0.0)
+    z = np.where(shift > math.log1p(cfg.drift_min_change), z, 0.0)
     best = int(np.argmax(z))
-    return int(split[best]) if z[best] > DRIFT_SIGMAS else 0
+    return int(split[best]) if z[best] > cfg.drift_sigmas else 0
 
 
 def _rescale(measured: float, predicted: float) -> float:

@@ -53,7 +53,8 @@ def adascale_gain(
 
     Negative estimates are clamped at 0.  With unknown statistics (None) or ``S = G2 = 0``
     the gain is 1: without evidence of noise, do not raise the learning rate.  The gain lies
-    between 1 and ``B/B0``.
+    between 1 and ``B/B0`` either way: in ``[1, B/B0]`` for ``B >= B0``, in ``[B/B0, 1]``
+    for ``B < B0`` (an epoch's final partial batch lowers the rate).
     """
     _check_batches(total_batch, init_batch)
     if grad_sqr is None or grad_var is None:

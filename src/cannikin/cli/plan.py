@@ -38,9 +38,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(0, False)
     import numpy as np
 
-    from cannikin.optperf import costly_workers, zero_split
+    from cannikin.optperf import costly_workers, share_split, zero_split
     from cannikin.sim import GroundTruth, cluster_from_arg, device, workload
-    from cannikin.sim.policies import proportional_split
 
     try:
         spec = cluster_from_arg(args.cluster)
@@ -51,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--batch {args.batch} does not fit: it must be between the "
                              f"worker count {spec.num_workers} and the total memory cap "
                              f"{int(caps.sum())} for {wl.name}")
-        even = np.array(proportional_split(args.batch, np.ones(spec.num_workers), caps))
+        even = np.array(share_split(args.batch, np.ones(spec.num_workers), caps.tolist(),
+                                    minimum=1))
         cluster, plan = truth.linearised_plan(lambda c: zero_split(c, args.batch), even)
         costly = costly_workers(cluster, plan)
     except ValueError as exc:

@@ -21,7 +21,14 @@ import numpy as np
 
 from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size
-from cannikin.optperf import CostlyWorker, Plan, costly_workers, optimal_split, zero_split
+from cannikin.optperf import (
+    CostlyWorker,
+    Plan,
+    costly_workers,
+    optimal_split,
+    share_split,
+    zero_split,
+)
 from cannikin.perf import (
     ClusterModel,
     CommFitter,
@@ -38,26 +45,6 @@ MAX_BUCKETS = 16
 """Buckets kept per step report; more are merged (adjacent, in ready order)."""
 _PREVIOUS = 6 + 2 * MAX_BUCKETS  # batch, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c..
 REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
-OOM_CAP_FACTOR = 0.8
-"""After an out-of-memory at local batch b, that worker's cap becomes floor(0.8 b)."""
-DRIFT_CHECK_STEPS = 6
-"""A worker whose compute time is off its model by more than DRIFT_CHECK_CHANGE in the
-median of this many consecutive steps triggers a re-plan at once (single stragglers do not),
-provided the shift is also DRIFT_CHECK_SIGMAS standard errors of that median."""
-DRIFT_CHECK_CHANGE = 0.3
-DRIFT_CHECK_SIGMAS = 3.0
-DRIFT_NOISE_HISTORY = 32
-"""Per worker, this many last log(measured / predicted) values estimate the timing noise.
-On a busy shared CPU the noise reaches ~0.5 in log terms, and a 30% rule alone then
-re-plans every few steps on noise."""
-MEASURE_STRIDE = 4
-"""Once a plan has held until the re-plan cadence reached its longest interval, only every
-MEASURE_STRIDE-th step is measured (timings and gradient norms, DESIGN.md §5); the others
-cost what plain DDP costs. A change of plan brings back measuring every step."""
-PLAN_HOLD = 0.003
-"""A re-plan keeps the split in force while the new model predicts it within this fraction
-of the new optimum: timing noise moves the optimum by a sample now and then, and each
-move would reset the cadence and the measuring (MEASURE_STRIDE) for nothing."""
 _STATE_VERSION = 1
 
 
@@ -166,28 +153,6 @@ def _noise_sd(values: Sequence[float]) -> float:
     return 1.4826 * mad / math.sqrt(2.0)
 
 
-def capped_even_split(total: int, caps: Sequence[int | None]) -> tuple[int, ...]:
-    """As even as the caps allow: b_i = min(cap_i, L), the rest one each by rank order."""
-    n = len(caps)
-    limit = [total if c is None else min(c, total) for c in caps]
-    if sum(limit) < total:
-        raise ValueError(f"total batch {total} exceeds the sum of the local caps {list(caps)}")
-    lo, hi = 0, total  # largest level L with sum(min(cap_i, L)) <= total
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if sum(min(c, mid) for c in limit) <= total:
-            lo = mid
-        else:
-            hi = mid - 1
-    split = [min(c, lo) for c in limit]
-    rest = total - sum(split)
-    for i in range(n):
-        if rest and split[i] < limit[i]:
-            split[i] += 1
-            rest -= 1
-    return tuple(split)
-
-
 @dataclass(kw_only=True)
 class PlannerConfig:
     """How the planner plans; identical on every rank."""
@@ -241,11 +206,37 @@ class PlannerConfig:
     hold_sigmas: float = 0.5
     """A re-plan keeps the split in force unless the new one is predicted faster by more
     than this many standard errors of a worker's mean time (its fitted relative noise over
-    the square root of its window's samples), or by more than :data:`PLAN_HOLD` where
+    the square root of its window's samples), or by more than :attr:`plan_hold` where
     that is larger. A gain within the model's own uncertainty is no gain: on real quota
     workers (step noise ~25%) the split moved by a few samples at every re-plan, so the
     cadence never lengthened, every step was measured, and the slowest worker refitted
     every 5 steps (~17 ms of CPU each)."""
+    plan_hold: float = 0.003
+    """The floor of that tolerance, as a fraction of the new optimum: even exact models move
+    the optimum by a sample now and then, and each move would reset the cadence and the
+    measuring (:attr:`measure_stride`) for nothing."""
+    measure_stride: int = 4
+    """Once a plan has held until the re-plan cadence reached its longest interval, only
+    every measure_stride-th step is measured (timings and gradient norms, DESIGN.md §5);
+    the others cost what plain DDP costs. A change of plan brings back measuring every
+    step."""
+    drift_steps: int = 6
+    """A worker whose compute time is off its model by more than :attr:`drift_change` in
+    the median of this many consecutive steps triggers a re-plan at once (single
+    stragglers do not), provided the shift is also :attr:`drift_sigmas` standard errors of
+    that median. (The fitter's own change-point test, :class:`~cannikin.perf.NodeFitter`,
+    then decides which samples to forget.)"""
+    drift_change: float = 0.3
+    """Relative shift of that median that counts as drift."""
+    drift_sigmas: float = 3.0
+    """Standard errors of that median the shift must also exceed."""
+    drift_noise_history: int = 32
+    """Per worker, this many last log(measured / predicted) values estimate the timing noise
+    for that standard error. On a busy shared CPU the noise reaches ~0.5 in log terms, and
+    a 30% rule alone then re-plans every few steps on noise."""
+    oom_cap_factor: float = 0.8
+    """After an out-of-memory at local batch b, that worker's cap becomes
+    floor(oom_cap_factor * b) (and at most b - 1)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -290,6 +281,15 @@ class PlannerConfig:
             raise ValueError(f"probe_snap must be in [0, 1), got {self.probe_snap}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not (0 <= self.plan_hold < 1 and 0 < self.oom_cap_factor < 1):
+            raise ValueError(f"plan_hold ({self.plan_hold}) and oom_cap_factor "
+                             f"({self.oom_cap_factor}) must be in [0, 1) and (0, 1)")
+        for name in ("measure_stride", "drift_steps", "drift_noise_history"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.drift_change > 0 and self.drift_sigmas >= 0):
+            raise ValueError(f"drift_change ({self.drift_change}) must be > 0 and "
+                             f"drift_sigmas ({self.drift_sigmas}) >= 0")
         if self.min_local * self.world_size > self.init_batch:
             raise ValueError(f"local_bsz_bounds lo={self.min_local} times {self.world_size} "
                              f"workers exceeds batch_size {self.init_batch}")
@@ -400,10 +400,10 @@ class Planner:
         return predicted
 
     def measures(self, step: int) -> bool:
-        """Whether step ``step`` is measured (see :data:`MEASURE_STRIDE`); the same answer
-        on every rank, since it depends only on the planner's state."""
+        """Whether step ``step`` is measured (:attr:`PlannerConfig.measure_stride`); the
+        same answer on every rank, since it depends only on the planner's state."""
         held = self._interval >= self.config.max_replan_every
-        return not held or step % MEASURE_STRIDE == 0
+        return not held or step % self.config.measure_stride == 0
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
@@ -448,7 +448,7 @@ class Planner:
     def _check_drift(self, timings: Sequence[StepReport]) -> None:
         """Flag a worker whose measured compute has left its model for several steps, so
         a speed change is followed without waiting for the (backed-off) cadence."""
-        cluster = self.cluster_model
+        cluster, cfg = self.cluster_model, self.config
         if cluster is None:
             return
         if not self._drift_ratios:
@@ -463,15 +463,15 @@ class Planner:
             recent, history = self._drift_ratios[rank], self._drift_history[rank]
             recent.append(math.log(ratio))
             history.append(recent[-1])
-            del recent[:-DRIFT_CHECK_STEPS]
-            del history[:-DRIFT_NOISE_HISTORY]
-            if len(recent) < DRIFT_CHECK_STEPS or self._drifted is not None:
+            del recent[:-cfg.drift_steps]
+            del history[:-cfg.drift_noise_history]
+            if len(recent) < cfg.drift_steps or self._drifted is not None:
                 continue
             shift = abs(_median(recent))
-            if shift <= math.log1p(DRIFT_CHECK_CHANGE):
+            if shift <= math.log1p(cfg.drift_change):
                 continue
             # standard error of a median of n: 1.2533 sigma / sqrt(n)
-            if shift > DRIFT_CHECK_SIGMAS * 1.2533 * _noise_sd(history) / math.sqrt(len(recent)):
+            if shift > cfg.drift_sigmas * 1.2533 * _noise_sd(history) / math.sqrt(len(recent)):
                 self._drifted = rank
 
     def _add_comm(self, active: Sequence[StepReport]) -> None:
@@ -575,7 +575,8 @@ class Planner:
     def lower_cap(self, rank: int, failed_batch: int) -> int:
         """Worker ``rank`` ran out of memory at ``failed_batch``: lower its cap; return it."""
         floor = max(self.config.min_local, 1)
-        cap = max(floor, min(failed_batch - 1, math.floor(OOM_CAP_FACTOR * failed_batch)))
+        cap = max(floor, min(failed_batch - 1,
+                             math.floor(self.config.oom_cap_factor * failed_batch)))
         if failed_batch <= floor:
             raise RuntimeError(f"worker {rank} ran out of memory at local batch {failed_batch}, "
                                f"the smallest allowed ({floor}); nothing smaller to try")
@@ -644,7 +645,7 @@ class Planner:
         error = max((node.noise / math.sqrt(max(fitter.num_samples, 1))
                      for node, fitter in zip(cluster.nodes, self.fitters, strict=True)),
                     default=0.0)
-        return max(PLAN_HOLD, self.config.hold_sigmas * error)
+        return max(self.config.plan_hold, self.config.hold_sigmas * error)
 
     def _held(self, cluster: ClusterModel, plan: Plan) -> Plan:
         """The split in force instead of ``plan`` if it is as good (:meth:`_hold_tolerance`)."""
@@ -682,8 +683,9 @@ class Planner:
         return min(total, fits)
 
     def _even(self, total: int) -> tuple[int, ...]:
-        return capped_even_split(total, [self.config.cap_of(i)
-                                         for i in range(self.config.world_size)])
+        """As even as the caps allow."""
+        n = self.config.world_size
+        return share_split(total, np.ones(n), [self.config.cap_of(i) for i in range(n)])
 
     def _fit(self) -> ClusterModel | None:
         cfg = self.config

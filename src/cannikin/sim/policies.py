@@ -16,39 +16,12 @@ import numpy as np
 
 from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size
-from cannikin.optperf import Plan, optimal_split
+from cannikin.optperf import Plan, optimal_split, share_split
 from cannikin.perf import ClusterModel, CommFitter, NodeFitter, NodeModel
 from cannikin.sim.measure import Measurement, PolicyContext
 
 if TYPE_CHECKING:
     from cannikin.sim.truth import GroundTruth
-
-
-def proportional_split(total: int, weights: np.ndarray, caps: np.ndarray) -> tuple[int, ...]:
-    """Split ``total`` in proportion to ``weights`` (>= 1 each, <= caps), largest remainder."""
-    n = len(weights)
-    if not n <= total <= caps.sum():
-        raise ValueError(f"cannot split {total} over {n} workers with caps summing to "
-                         f"{int(caps.sum())}")
-    w = np.maximum(np.asarray(weights, dtype=float), 1e-12)
-    out = np.ones(n, dtype=np.int64)
-    free = np.ones(n, dtype=bool)
-    # water-fill: workers whose share exceeds their cap are pinned there
-    while True:
-        left = total - out[~free].sum()
-        share = 1.0 + (left - free.sum()) * w / w[free].sum()
-        share[~free] = out[~free]
-        over = free & (share > caps)
-        if not over.any():
-            break
-        out[over] = caps[over]
-        free &= ~over
-    base = np.where(free, np.floor(share), out).astype(np.int64)
-    base = np.minimum(base, caps)
-    remainder = np.where(free, share - np.floor(share), -1.0)
-    for i in np.argsort(-remainder, kind="stable")[: total - int(base.sum())]:
-        base[i] += 1
-    return tuple(int(x) for x in base)
 
 
 class Policy(ABC):
@@ -75,7 +48,7 @@ class Policy(ABC):
         return math.nan
 
     def _even(self, total: int) -> tuple[int, ...]:
-        return proportional_split(total, np.ones(self.ctx.num_workers), self._caps)
+        return share_split(total, np.ones(self.ctx.num_workers), self._caps.tolist(), minimum=1)
 
 
 class DDP(Policy):
@@ -107,7 +80,7 @@ class LBBSP(Policy):
     def decide(self) -> tuple[int, ...]:
         if self._rate is None:
             return self._even(self.ctx.start_batch)
-        return proportional_split(self.ctx.start_batch, self._rate, self._caps)
+        return share_split(self.ctx.start_batch, self._rate, self._caps.tolist(), minimum=1)
 
     def observe(self, m: Measurement) -> None:
         compute = np.median(m.fwd_s + m.bwd_s, axis=0)
