@@ -73,7 +73,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             if len(xb):  # a final partial batch smaller than the workers leaves some empty
-                total, count = total + float(loss) * len(xb), count + len(xb)
+                total, count = total + float(loss.detach()) * len(xb), count + len(xb)
         mean = torch.tensor([total, float(count)], device=ctx.device)
         torch.distributed.all_reduce(mean)
         if ctx.rank == 0:

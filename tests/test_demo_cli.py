@@ -187,3 +187,17 @@ def test_quota_mode_refuses_a_share_below_the_kernels_minimum(
     monkeypatch.setattr(demo_cli, "usable_cores", lambda hierarchy: 2.0)
     err = usage_error(["--heterogeneity", "quota", "--speeds", "1,20"], capsys)
     assert "share 0.05 of rank 0" in err and "at least 0.1 cores" in err
+
+
+def test_missing_demo_packages_are_named_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # `pip install -e .` alone has no rich or scikit-learn: say what to install, no traceback
+    real = demo_cli.importlib.util.find_spec
+    monkeypatch.setattr(demo_cli.importlib.util, "find_spec",
+                        lambda name: None if name in ("rich", "sklearn") else real(name))
+    with pytest.raises(SystemExit) as exit_info:
+        demo_cli._run(parse([]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "needs rich, scikit-learn" in err and "cannikin[demo,torch]" in err

@@ -14,6 +14,7 @@ silently emulated). A failed or timed-out run exits with status 1 and names the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import shutil
@@ -178,7 +179,21 @@ def _cpu_shares(speeds: tuple[float, ...]) -> tuple[float, ...]:
                          f"the fastest within {ratio:g}x the slowest") from None
 
 
+DEMO_NEEDS = {"torch": "torch", "rich": "rich", "sklearn": "scikit-learn"}
+"""Module -> the package that provides it: what ``cannikin demo`` imports beyond the core."""
+
+
+def _missing_packages() -> list[str]:
+    """The packages of :data:`DEMO_NEEDS` that are not installed."""
+    return [package for module, package in DEMO_NEEDS.items()
+            if importlib.util.find_spec(module) is None]
+
+
 def _run(args: argparse.Namespace) -> int:
+    missing = _missing_packages()
+    if missing:
+        args.parser.error(f"the demo needs {', '.join(missing)}: pip install "
+                          f"'cannikin[demo,torch]' (or `make demo`, which installs everything)")
     config = _config(args)
     from rich.console import Console
 
