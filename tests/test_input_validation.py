@@ -112,3 +112,14 @@ def test_a_cpu_model_under_nccl_is_named(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ValueError, match="the process group is nccl, which reduces CUDA "
                                          "tensors only, but the model is on cpu"):
         wrap()
+
+
+def test_lr_scaling_defaults_to_what_a_ddp_user_expects() -> None:
+    # a fixed total batch keeps the LR, as DDP does (a final partial batch included); a
+    # goodput-chosen one scales it, by AdaScale, or its Adam variant for Adam
+    assert wrap().scaler.rule == "none"
+    assert wrap(autoscaled(32, (1, None))).scaler.rule == "adascale"
+    net = nn.Linear(3, 2)
+    adam = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    assert HeteroDataParallel(net, adam, autoscaled(32, (1, None))).scaler.rule == "adamscale"
+    assert wrap(lr_scaling="adascale").scaler.rule == "adascale"  # an explicit rule wins

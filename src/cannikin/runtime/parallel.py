@@ -134,7 +134,9 @@ class HeteroDataParallel(nn.Module):
     ``split``: "optimal" plans the split by OptPerf; "even" keeps the DDP split (the
     baseline, measured the same way). ``lr_scaling``: "adascale", "adamscale" (for Adam),
     "linear", "sqrt" or "none" (applied when the total batch differs from the loader's
-    ``batch_size``).
+    ``batch_size``); "auto" (the default) is "none" at a fixed total batch, as with DDP
+    (a final partial batch trains at the same LR), and with a goodput-chosen one
+    "adamscale" for Adam, AdamW and RMSprop, "adascale" for the others.
     ``replan_every``: steps between re-plans after ``warmup_steps`` even-split steps.
     ``metrics``: a sink with ``log(metrics, step)``, called on rank 0 every step.
     ``max_local_batch``: this rank's memory cap (int), or one per rank; an out-of-memory
@@ -148,7 +150,7 @@ class HeteroDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  loader: HeteroDataLoader, *, split: str = "optimal",
-                 lr_scaling: str = "adascale", replan_every: int = 5, warmup_steps: int = 4,
+                 lr_scaling: str = "auto", replan_every: int = 5, warmup_steps: int = 4,
                  metrics: MetricsSink | None = None,
                  max_local_batch: int | Sequence[int | None] | None = None,
                  slowdown: float | None = None,
@@ -188,6 +190,9 @@ class HeteroDataParallel(nn.Module):
             replan_every=replan_every, warmup_steps=warmup_steps,
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
             max_local=hi, caps=caps, names=names), log_plans=self.rank == 0)
+        if lr_scaling == "auto":
+            lr_scaling = ("none" if auto is None else
+                          "adamscale" if self.precondition.adaptive else "adascale")
         self.scaler = LRScaler(optimizer, lr_scaling, init_batch=loader.batch_size)
         self._cycle = _Cycle()
         self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
