@@ -21,7 +21,7 @@ from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
-          "adam_noise_reset", "amp", "ddp_habits", "step_timeout"]
+          "adam_noise_reset", "amp", "ddp_habits", "model_output", "step_timeout"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -220,3 +220,12 @@ def test_every_rank_lowers_the_collective_timeout_alike(figures: dict[str, Any])
     refused = found["refused"]
     assert all(r is not None and "rank 1's collective-timeout rule" in r for r in refused), found
     assert "floor_s=5.0" in refused[0] and "set CANNIKIN_TIMEOUT_FLOOR_S and " in refused[0]
+
+
+def test_a_model_output_model_trains_as_one_process(figures: dict[str, Any]) -> None:
+    # Hugging Face-style: tied embeddings, the loss computed in forward and read as out.loss;
+    # 3 workers with a capped one (3, 11, 10), five steps of 24 and a final one of 4 samples
+    run = figures["model_output"]
+    assert run["output_type"] == "CausalLMOutput" and run["steps"] == 5
+    assert run["rel_err"] < 1e-5
+    assert run["param_drift"] < 1e-4  # AdamW on both: the updates stay together

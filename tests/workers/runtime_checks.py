@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -497,6 +498,71 @@ def check_amp() -> dict[str, Any]:
             for opt in ("sgd", "adam") for scale in (None, 2.0**10)}
     runs["overflow"] = _amp_run("adam", 2.0**10, overflow_at=(3, 12))
     return runs
+
+
+class CausalLMOutput(OrderedDict):  # type: ignore[type-arg]
+    """Like transformers' ModelOutput: an ordered mapping whose keys are also attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as error:
+            raise AttributeError(name) from error
+
+
+class TinyLM(nn.Module):
+    """A Hugging Face-style model: tied input and output embeddings, and the loss computed
+    in forward from ``labels``, returned as ``out.loss`` beside ``out.logits``."""
+
+    def __init__(self, vocab: int = 32, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> CausalLMOutput:
+        hidden = torch.tanh(self.mix(self.embed(input_ids)))
+        logits = hidden @ self.embed.weight.t()  # tied to the input embedding
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def check_model_output() -> dict[str, Any]:
+    """A ModelOutput-returning model with tied weights, trained through the whole API with
+    an uneven split and a final partial batch: every step's gradient against one process
+    on the union of the step's samples."""
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, 32, (100, 9), generator=gen)
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:], torch.arange(100))
+    torch.manual_seed(0)
+    net = TinyLM()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    loader = HeteroDataLoader(data, batch_size=24, seed=1)
+    world = dist.get_world_size()
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
+                               max_local_batch=[3] + [None] * (world - 1))
+    worst = 0.0
+    steps = 0
+    for ids, labels, idx in loader:
+        opt.zero_grad()
+        out = model(ids, labels=labels)
+        out.loss.backward()
+        union = torch.tensor(_all_indices(idx.tolist()))
+        ref_opt.zero_grad()
+        ref(data.tensors[0][union], labels=data.tensors[1][union]).loss.backward()
+        scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+        worst = max(worst, max(float((p.grad - q.grad).abs().max())
+                               for p, q in zip(net.parameters(), ref.parameters(),
+                                               strict=True)) / scale)
+        opt.step()
+        ref_opt.step()
+        steps += 1
+    model.remove_hooks()
+    drift = max(float((p - q).abs().max()) for p, q in zip(net.parameters(),
+                                                           ref.parameters(), strict=True))
+    return {"rel_err": worst, "steps": steps, "param_drift": drift,
+            "output_type": type(out).__name__}
 
 
 def check_ddp_habits() -> dict[str, Any]:
