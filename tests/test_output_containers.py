@@ -1,22 +1,12 @@
 """The out-of-memory placeholder keeps the types of a model's outputs (a Hugging Face
 ``ModelOutput``, a named tuple), so ``out.loss`` still works on the retried step."""
 
-from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from cannikin.runtime.parallel import _map_batched
-
-
-class ModelOutputLike(OrderedDict):  # type: ignore[type-arg]
-    """Like transformers' ModelOutput: an ordered mapping whose keys are also attributes."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError as error:
-            raise AttributeError(name) from error
+from hf_like import ModelOutputLike
 
 
 class Pair(NamedTuple):

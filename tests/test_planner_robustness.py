@@ -126,6 +126,18 @@ def bad_timer(value: float) -> Corrupt:
     return corrupt
 
 
+def phase_noise(seed: int) -> Corrupt:
+    """Every forward and backward time off by its own factor exp(0.25 z): ~25% noise, as
+    on real quota workers."""
+    rng = np.random.default_rng(200 + seed)
+
+    def corrupt(step: int, reports: list[StepReport]) -> list[StepReport]:
+        factors = np.exp(0.25 * rng.standard_normal((len(reports), 2)))
+        return [dataclasses.replace(r, fwd_s=r.fwd_s * kf, bwd_s=r.bwd_s * kb)
+                for r, (kf, kb) in zip(reports, factors, strict=True)]
+    return corrupt
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -0.01, -math.inf])
 def test_non_finite_or_negative_times_are_ignored(value: float) -> None:
     for seed in SEEDS[:3]:
@@ -222,18 +234,9 @@ def test_a_held_plan_stays_near_optimal_under_heavy_noise_for_long() -> None:
     # and the next plan then gives that worker most of the batch. Without the fitter's slope
     # prior (FitConfig.slope_prior_sd) the worst plans here were 1.15-1.32x the optimum
     # (up to 2.6x in 2000-step runs); with it, 1.03-1.06x.
-    def noisy(seed: int) -> Corrupt:
-        rng = np.random.default_rng(200 + seed)
-
-        def corrupt(step: int, reports: list[StepReport]) -> list[StepReport]:
-            factors = np.exp(0.25 * rng.standard_normal((len(reports), 2)))
-            return [dataclasses.replace(r, fwd_s=r.fwd_s * kf, bwd_s=r.bwd_s * kb)
-                    for r, (kf, kb) in zip(reports, factors, strict=True)]
-        return corrupt
-
     worst = []
     for seed in SEEDS:
-        splits, quality = drive(steady, seed, noisy(seed), steps=LONG_RUN_STEPS)
+        splits, quality = drive(steady, seed, phase_noise(seed), steps=LONG_RUN_STEPS)
         assert_valid(splits)
         worst.append(float(np.nanmax(quality[50:])))
     print(f"25% noise, {LONG_RUN_STEPS} steps: worst plan after step 50 / optimum "
@@ -249,15 +252,6 @@ def test_a_plan_under_heavy_noise_settles() -> None:
     # standard error now keeps the split (PlannerConfig.hold_sigmas), and a probe hands the
     # cadence back to the split it interrupted: 12-18 changes, 66-81% measured, 32-42
     # re-plans, the same plan quality (mean 1.010-1.018 of the optimum, was 1.010-1.020)
-    def noisy(seed: int) -> Corrupt:
-        rng = np.random.default_rng(200 + seed)
-
-        def corrupt(step: int, reports: list[StepReport]) -> list[StepReport]:
-            factors = np.exp(0.25 * rng.standard_normal((len(reports), 2)))
-            return [dataclasses.replace(r, fwd_s=r.fwd_s * kf, bwd_s=r.bwd_s * kb)
-                    for r, (kf, kb) in zip(reports, factors, strict=True)]
-        return corrupt
-
     def recorder(measured: list[bool], replans: list[bool]) -> Callable[[int, Planner], None]:
         def inspect(step: int, planner: Planner) -> None:
             measured.append(planner.measures(step))
@@ -267,8 +261,8 @@ def test_a_plan_under_heavy_noise_settles() -> None:
     for seed in SEEDS:
         measured: list[bool] = []
         replans: list[bool] = []
-        splits, quality = drive(steady, seed, noisy(seed), inspect=recorder(measured, replans),
-                                steps=600)
+        splits, quality = drive(steady, seed, phase_noise(seed),
+                                inspect=recorder(measured, replans), steps=600)
         changes = sum(a != b for a, b in zip(splits[100:], splits[101:], strict=False))
         figures = (changes, sum(replans[100:]), sum(measured[100:]) / 500,
                    float(np.nanmean(quality[100:])))

@@ -226,6 +226,6 @@ def test_a_model_output_model_trains_as_one_process(figures: dict[str, Any]) -> 
     # Hugging Face-style: tied embeddings, the loss computed in forward and read as out.loss;
     # 3 workers with a capped one (3, 11, 10), five steps of 24 and a final one of 4 samples
     run = figures["model_output"]
-    assert run["output_type"] == "CausalLMOutput" and run["steps"] == 5
+    assert run["output_type"] == "ModelOutputLike" and run["steps"] == 5
     assert run["rel_err"] < 1e-5
     assert run["param_drift"] < 1e-4  # AdamW on both: the updates stay together

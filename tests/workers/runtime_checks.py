@@ -15,7 +15,6 @@ import math
 import os
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +33,7 @@ from cannikin.runtime.comm import CommState, weighted_allreduce_hook
 from cannikin.runtime.distributed import init_distributed
 from cannikin.runtime.step_timeout import StepTimeout, TimeoutRule, group_timeout_s
 from cannikin.runtime.timing import CpuClock
+from hf_like import ModelOutputLike
 
 SPLITS = [(3, 11, 50), (50, 3, 11), (0, 30, 34)]  # uneven, permuted, and one empty worker
 IN, OUT = 8, 5
@@ -500,16 +500,6 @@ def check_amp() -> dict[str, Any]:
     return runs
 
 
-class CausalLMOutput(OrderedDict):  # type: ignore[type-arg]
-    """Like transformers' ModelOutput: an ordered mapping whose keys are also attributes."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self[name]
-        except KeyError as error:
-            raise AttributeError(name) from error
-
-
 class TinyLM(nn.Module):
     """A Hugging Face-style model: tied input and output embeddings, and the loss computed
     in forward from ``labels``, returned as ``out.loss`` beside ``out.logits``."""
@@ -519,11 +509,11 @@ class TinyLM(nn.Module):
         self.embed = nn.Embedding(vocab, width)
         self.mix = nn.Linear(width, width)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> CausalLMOutput:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> ModelOutputLike:
         hidden = torch.tanh(self.mix(self.embed(input_ids)))
         logits = hidden @ self.embed.weight.t()  # tied to the input embedding
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        return CausalLMOutput(loss=loss, logits=logits)
+        return ModelOutputLike(loss=loss, logits=logits)
 
 
 def check_model_output() -> dict[str, Any]:
