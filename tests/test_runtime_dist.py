@@ -21,7 +21,8 @@ from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
-          "adam_noise_reset", "amp", "ddp_habits", "model_output", "step_timeout"]
+          "adam_noise_reset", "noise_stride", "amp", "ddp_habits", "model_output",
+          "step_timeout"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -126,6 +127,14 @@ def test_noise_scale_starts_over_when_adam_preconditions(figures: dict[str, Any]
     # steps 0-4 feed 4 raw-gradient updates; step 5 is the first preconditioned one
     assert got["updates"] == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4], got
     assert got["noise_scale"] is not None and got["noise_scale"] > 0
+
+
+def test_norms_only_every_few_steps_when_the_noise_scale_decides_nothing(
+        figures: dict[str, Any]) -> None:
+    got = figures["noise_stride"]
+    # norms on steps 0 and 8 and 16, each seen one step late
+    assert got["stride"] == 8
+    assert got["updates"] == [0] + [1] * 8 + [2] * 8 + [3], got
 
 
 def test_plain_ddp_average_is_wrong_for_uneven_batches(figures: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -366,7 +366,8 @@ class Splitter:
         return np.concatenate([[start.step_time], np.maximum(start.step_time, finish)])
 
 
-def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False) -> Plan:
+def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False,
+               optimal: Plan | None = None) -> Plan:
     """:func:`optimal_split`, where a worker may also get 0 samples when the step is faster.
 
     A worker with no samples still joins the all-reduce and the update, so it still takes
@@ -385,12 +386,13 @@ def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False) 
     predicted step times (:meth:`ClusterModel.step_time`), or with ``expected`` the
     expected ones of noisy workers (:meth:`ClusterModel.expected_step_time`: a worker at a
     few samples still adds its noise to the step's maximum). A total below the sum of the
-    minima is split with zeros.
+    minima is split with zeros. ``optimal``: ``optimal_split(cluster, total_batch)`` where
+    the caller has it already (a re-plan does).
     """
     nodes = cluster.nodes
     plan = None
     if _is_int(total_batch) and total_batch >= sum(n.min_batch for n in nodes):
-        plan = optimal_split(cluster, total_batch)
+        plan = optimal if optimal is not None else optimal_split(cluster, total_batch)
         if not any(0 < b == n.min_batch for b, n in zip(plan.local_batches, nodes, strict=True)):
             return plan
     dropped: set[int] = set()  # workers planned 0
@@ -424,6 +426,21 @@ def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False) 
     else:
         better = floored.step_time < plan.step_time
     return floored if better else plan
+
+
+def split_without(cluster: ClusterModel, total_batch: int, idle: Collection[int]) -> Plan:
+    """The workers in ``idle`` get 0 samples, the others ``total_batch`` split optimally
+    within their bounds; the step time counts the idle workers' fixed time too (they still
+    join the all-reduce). ValueError if no worker is left or the rest cannot hold it."""
+    rest = [i for i in range(cluster.size) if i not in idle]
+    if not rest:
+        raise ValueError(f"idle={sorted(idle)} leaves none of the {cluster.size} workers")
+    part = optimal_split(ClusterModel(nodes=[cluster.nodes[i] for i in rest],
+                                      comm=cluster.comm), total_batch)
+    local = [0] * cluster.size
+    for i, b in zip(rest, part.local_batches, strict=True):
+        local[i] = b
+    return Plan(local_batches=tuple(local), step_time=cluster.step_time(local))
 
 
 def without_worker(cluster: ClusterModel, rank: int) -> ClusterModel:
@@ -470,7 +487,7 @@ def costly_workers(cluster: ClusterModel, plan: Plan,
     (the noise-aware prediction; the max of the means for noise-free models). A worker
     whose removal leaves the total beyond the others' caps is not listed.
     """
-    if cluster.size < 2:
+    if cluster.size < 2 or 0 not in plan.local_batches:
         return ()
     with_it = cluster.expected_step_time(list(plan.local_batches))
     found = []

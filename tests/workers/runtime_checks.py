@@ -31,6 +31,7 @@ from cannikin.log import setup_logging
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 from cannikin.runtime.comm import CommState, weighted_allreduce_hook
 from cannikin.runtime.distributed import init_distributed
+from cannikin.runtime.parallel import NORM_STRIDE
 from cannikin.runtime.step_timeout import StepTimeout, TimeoutRule, group_timeout_s
 from cannikin.runtime.timing import CpuClock
 from hf_like import ModelOutputLike
@@ -385,12 +386,13 @@ def check_eval_between_steps() -> dict[str, Any]:
 
 def check_adam_noise_reset() -> dict[str, Any]:
     """Adam preconditions after 5 steps: the noise scale's count of updates after each step
-    (it sees each step's norms one step late) starts over when the space changes."""
+    (it sees each step's norms one step late) starts over when the space changes. AdamScale
+    reads the noise scale, so every step's norms are taken."""
     data = _blobs(600)
     net = _classifier()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     loader = HeteroDataLoader(data, batch_size=48, seed=5)
-    model = HeteroDataParallel(net, opt, loader, split="even")
+    model = HeteroDataParallel(net, opt, loader, split="even", lr_scaling="adamscale")
     updates = []
     for step, (x, y, _) in enumerate(loader):
         opt.zero_grad()
@@ -401,6 +403,26 @@ def check_adam_noise_reset() -> dict[str, Any]:
             break
     model.remove_hooks()
     return {"updates": updates, "noise_scale": model.noise_scale}
+
+
+def check_noise_stride() -> dict[str, Any]:
+    """A fixed total batch with SGD and the default LR rule: the noise scale decides
+    nothing, so the gradient norms are taken on every NORM_STRIDE-th step only."""
+    data = _blobs(600)
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(data, batch_size=30, seed=5)
+    model = HeteroDataParallel(net, opt, loader, split="even")
+    updates = []
+    for step, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        updates.append(model.planner.noise.num_updates)
+        if step == 17:
+            break
+    model.remove_hooks()
+    return {"updates": updates, "stride": NORM_STRIDE}
 
 
 class OomOnRank1(nn.Module):

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from cannikin.optperf import (
     costly_workers,
     optimal_split,
     share_split,
+    split_without,
     zero_split,
 )
 from cannikin.perf import (
@@ -200,6 +202,24 @@ class PlannerConfig:
     probe_snap: float = 0.1
     """A probe goes to a batch size measured before when one is within this fraction of its
     target, so that repeated probes fill one batch size's measurements (and then stop)."""
+    trial_margin: float = 0.1
+    """A worker the plan gives the fewest samples is tried at 0 (the others split optimally)
+    for :attr:`trial_steps` steps when the model predicts that step at most this fraction
+    slower, and kept there for :attr:`trial_every` steps if the *measured* step was faster
+    by more than :attr:`trial_gain`. The model holds the all-reduce fixed; on real
+    100/50/25% CPU-quota workers it is not: at 37 samples the slowest worker's CPU was
+    saturated and its throttled share of the all-reduce slowed everyone, so the step was
+    20% faster with it at 0, which the model predicted 4% slower. 0: no trials."""
+    trial_share: float = 0.25
+    """Only a worker planned at most this fraction of the even share is tried: the trial
+    is for a worker whose few samples may cost more than the model knows, and a trial of a
+    busy one would cost the others' balance."""
+    trial_steps: int = 10
+    """Steps a trial lasts (its median step against the last as many of the split before)."""
+    trial_gain: float = 0.05
+    """How much faster the trial's median step must be to keep the worker at 0."""
+    trial_every: int = 200
+    """Steps from one trial of a worker to the next, and how long a kept one stays at 0."""
     costly_speedup: float = 1.01
     """A worker planned 0 samples is reported (logged once, ``PlanRecord.costly``) when the
     step is predicted at least this many times faster without it."""
@@ -275,6 +295,14 @@ class PlannerConfig:
             raise ValueError(f"hold_sigmas must be finite and >= 0, got {self.hold_sigmas}")
         if self.probe_error is not None and not self.probe_error > 0:
             raise ValueError(f"probe_error must be > 0 or None, got {self.probe_error}")
+        if not (self.trial_margin >= 0 and 0 <= self.trial_gain < 1
+                and 0 < self.trial_share <= 1):
+            raise ValueError(f"trial_margin ({self.trial_margin}) must be >= 0, trial_gain "
+                             f"({self.trial_gain}) in [0, 1) and trial_share "
+                             f"({self.trial_share}) in (0, 1]")
+        if self.trial_steps < 3 or self.trial_every < self.trial_steps:
+            raise ValueError(f"need 3 <= trial_steps ({self.trial_steps}) <= trial_every "
+                             f"({self.trial_every})")
         if not self.costly_speedup >= 1.0:
             raise ValueError(f"costly_speedup must be >= 1, got {self.costly_speedup}")
         if not 0 <= self.probe_snap < 1:
@@ -345,6 +373,15 @@ class Planner:
     _last_probe: int | None = field(default=None, init=False)  # step of the latest probe
     _before_probe: tuple[tuple[int, ...], int] | None = field(default=None, init=False)
     """The split a probe interrupted and the re-plan interval it had reached."""
+    _measured: deque[tuple[tuple[int, ...], float]] = field(
+        default_factory=lambda: deque(maxlen=64), init=False)
+    """The last measured steps: (split, step seconds, median over ranks)."""
+    _trial: tuple[int, tuple[int, ...], tuple[int, ...]] | None = field(default=None,
+                                                                        init=False)
+    """The trial in force: (rank tried at 0, the trial's split, the split before it)."""
+    _idle_until: dict[int, int] = field(default_factory=dict, init=False)
+    """Workers kept at 0 samples by a trial, and the step until which they stay there."""
+    _last_trial: dict[int, int] = field(default_factory=dict, init=False)
     _remember: tuple[bool, bool] = field(default=(False, False), init=False)
     """Whether the previous and the current step's split was chosen regardless of the
     measurements (the warm-up's even split, a probe): their timings are remembered."""
@@ -442,8 +479,10 @@ class Planner:
                 fitter.add(t.batch, t.fwd_s, t.bwd_s, remember=self._remember[0])
         self._add_comm([t for t in timings if t.batch > 0])
         self._check_drift(timings)
-        if self._pending is not None and math.isfinite(measured):
-            self.tracker.record(self._pending, measured)
+        if math.isfinite(measured):
+            self._measured.append((tuple(t.batch for t in timings), measured))
+            if self._pending is not None:
+                self.tracker.record(self._pending, measured)
 
     def _check_drift(self, timings: Sequence[StepReport]) -> None:
         """Flag a worker whose measured compute has left its model for several steps, so
@@ -514,11 +553,13 @@ class Planner:
             elif cfg.split == "optimal":
                 plan = optimal_split(cluster, total)
             if cfg.split == "optimal":
-                plan = self._held(cluster, self._with_zeros(cluster, plan))
+                plan = self._held(cluster, self._idle(step, cluster, plan))
                 if plan.local_batches == self.current.local_batches:
-                    probe = self._probe(step, cluster, plan)
-                    if probe is not None:
-                        reason, plan = probe
+                    tried = self._try_zero(step, cluster, plan)
+                    if tried is None:
+                        tried = self._probe(step, cluster, plan)
+                    if tried is not None:
+                        reason, plan = tried
             if cfg.split == "even":
                 even = self._even(total)
                 plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
@@ -533,6 +574,8 @@ class Planner:
                      and cluster is not None)
         if record.reason.startswith("probe"):
             self._interval = cfg.replan_every  # a probe lasts one short interval
+        elif record.reason.startswith("try"):
+            self._interval = cfg.trial_steps
         elif self._before_probe is not None:
             split, interval = self._before_probe
             self._before_probe = None
@@ -633,11 +676,70 @@ class Planner:
             return f"probe worker {rank} at local batch {target}", probe
         return None
 
+    def _idle(self, step: int, cluster: ClusterModel, plan: Plan) -> Plan:
+        """``plan`` with the workers a trial showed faster at 0 (:attr:`PlannerConfig.
+        trial_margin`) kept there, after closing the trial that just ended; else
+        :meth:`_with_zeros`."""
+        if self._trial is not None:
+            self._close_trial(step)
+        self._idle_until = {r: end for r, end in self._idle_until.items() if end > step}
+        if self._idle_until:
+            try:
+                return split_without(cluster, plan.total_batch, self._idle_until)
+            except ValueError:
+                self._idle_until = {}  # the others cannot hold the batch (a cap came down)
+        return self._with_zeros(cluster, plan)
+
+    def _close_trial(self, step: int) -> None:
+        """Compare the trial's measured steps with the split before it; keep the tried
+        worker at 0 if the trial was faster by more than ``trial_gain``."""
+        assert self._trial is not None
+        rank, tried, before = self._trial
+        self._trial = None
+        cfg = self.config
+        during = [s for split, s in self._measured if split == tried]
+        earlier = [s for split, s in self._measured if split == before][-cfg.trial_steps:]
+        if len(during) < 3 or len(earlier) < 3:
+            return
+        with_zero, without = _median(during), _median(earlier)
+        if with_zero < (1.0 - cfg.trial_gain) * without:
+            self._idle_until[rank] = step + cfg.trial_every
+            logger.info("worker %d at 0 samples: measured %.1f ms per step against %.1f ms "
+                        "at %s; it stays at 0 for %d steps", rank, with_zero * 1e3,
+                        without * 1e3, list(before), cfg.trial_every)
+
+    def _try_zero(self, step: int, cluster: ClusterModel, plan: Plan) -> tuple[str, Plan] | None:
+        """A trial of the held ``plan``'s least-loaded worker at 0 samples, or None: the
+        model predicts it too slow, the worker was tried lately, or the held split has too
+        few measured steps to compare with."""
+        cfg = self.config
+        busy = [(b, r) for r, b in enumerate(plan.local_batches) if b > 0]
+        if cfg.trial_margin <= 0 or not cfg.allow_zero or len(busy) < 2:
+            return None
+        fewest, rank = min(busy)
+        if fewest > cfg.trial_share * plan.total_batch / cfg.world_size:
+            return None
+        if step - self._last_trial.get(rank, -cfg.trial_every) < cfg.trial_every:
+            return None
+        if sum(split == plan.local_batches for split, _ in self._measured) < 3:
+            return None
+        try:
+            trial = split_without(cluster, plan.total_batch, {rank, *self._idle_until})
+        except ValueError:
+            return None
+        if cluster.expected_step_time(list(trial.local_batches)) > (
+                1.0 + cfg.trial_margin) * cluster.expected_step_time(list(plan.local_batches)):
+            return None
+        self._last_trial[rank] = step
+        self._trial = (rank, trial.local_batches, plan.local_batches)
+        self._before_probe = (self.current.local_batches, self._interval)
+        return f"try worker {rank} at 0 samples", trial
+
     def _with_zeros(self, cluster: ClusterModel, plan: Plan) -> Plan:
         """``plan``, or a faster one where some workers get 0 samples (``allow_zero``)."""
         if not self.config.allow_zero or self.config.min_local not in plan.local_batches:
             return plan
-        return zero_split(cluster, plan.total_batch, expected=True)
+        return zero_split(cluster, plan.total_batch, expected=True, optimal=plan)
 
     def _hold_tolerance(self, cluster: ClusterModel) -> float:
         """How much faster a new split must be predicted to replace the one in force (see
