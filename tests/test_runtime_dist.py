@@ -21,8 +21,8 @@ from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
-          "adam_noise_reset", "noise_stride", "amp", "ddp_habits", "model_output",
-          "step_timeout"]
+          "adam_noise_reset", "noise_stride", "amp", "ddp_habits", "attach_later",
+          "model_output", "step_timeout"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -205,6 +205,13 @@ def test_an_overflowed_step_is_skipped_and_the_next_is_not_measured(
     assert got["skipped"] == [3, 12] and got["finite"]
     assert got["unmeasured"] == [4, 13]  # its cycle runs from step 2's (11's) backward
     assert got["noise_scale"] is not None and 0 < got["noise_scale"] < 1e6
+
+
+def test_the_optimizer_and_loader_can_come_after_wrapping(figures: dict[str, Any]) -> None:
+    got = figures["attach_later"]
+    assert got["before_rel_err"] < 1e-5  # plain DDP's mean before attach
+    assert got["after_rel_err"] < 1e-5  # the exact mean of each step's samples after
+    assert got["splits"][0][0] == 5 and got["epoch"] == list(range(120))
 
 
 def test_ddp_habits_work_as_with_ddp(figures: dict[str, Any]) -> None:

@@ -124,7 +124,7 @@ def test_state_is_plain_and_versioned() -> None:
     sampler.take([3, 4], 0)
     state = sampler.state_dict()
     assert state == {"version": STATE_VERSION, "num_samples": 100, "seed": 7, "epoch": 1,
-                     "position": 7, "drop_last": False}
+                     "position": 7, "drop_last": False, "shuffle": True}
     assert all(type(v) in (int, bool) for v in state.values())
 
 

@@ -627,6 +627,58 @@ def check_ddp_habits() -> dict[str, Any]:
             "state_keys_as_ddp": state_keys_as_ddp}
 
 
+class _ByIndex(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A TensorDataset seen through __getitem__ only (loaded by worker processes)."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        return self.data[i]
+
+
+def check_attach_later() -> dict[str, Any]:
+    """The DDP order: wrap, build the optimizer from the wrapped model's parameters, build
+    the loader (here loading in 2 processes), attach. Before attach a backward is plain
+    DDP's mean; after, every step's gradient is one process's on the step's samples."""
+    data = _blobs(120)
+    net = _classifier()
+    ref = copy.deepcopy(net)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = HeteroDataParallel(net, split="even", slowdown=None,
+                               max_local_batch=[5] + [None] * (world - 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    own = slice(rank * 6, rank * 6 + 6)
+    F.cross_entropy(model(data.tensors[0][own]), data.tensors[1][own]).backward()
+    sum(F.cross_entropy(ref(data.tensors[0][r * 6:r * 6 + 6]), data.tensors[1][r * 6:r * 6 + 6])
+        for r in range(world)).div(world).backward()
+    def worst_error() -> float:
+        scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+        return max(float((p.grad - q.grad).abs().max())
+                   for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
+    before = worst_error()
+    loader = HeteroDataLoader(_ByIndex(data), batch_size=40, seed=3, num_workers=2)
+    model.attach(opt, loader)
+    after, seen, splits = 0.0, [], []
+    for x, y, idx in loader:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        union = torch.tensor(_all_indices(idx.tolist()))
+        ref.zero_grad()
+        F.cross_entropy(ref(data.tensors[0][union]), data.tensors[1][union]).backward()
+        after = max(after, worst_error())
+        opt.step()
+        seen += idx.tolist()
+        splits.append(list(model.plan.local_batches))
+    loader.close()
+    model.remove_hooks()
+    return {"before_rel_err": before, "after_rel_err": after, "splits": splits,
+            "epoch": _all_indices(seen)}
+
+
 def check_step_timeout() -> dict[str, Any]:
     """Training lowers the group's timeout from its start-up value to the same figure on
     every rank; a rank whose rule differs is refused on every rank."""

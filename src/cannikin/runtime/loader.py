@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from cannikin.runtime.sampler import IndexArray, UnevenSampler
+from cannikin.runtime.fetch import make_fetcher
+from cannikin.runtime.sampler import UnevenSampler
 
 Batch = Any
 
@@ -70,29 +70,27 @@ class Autoscale:
     local_bsz_bounds: tuple[int, int | None]
 
 
-def _empty_like(sample: Any) -> Any:
-    """A zero-length batch with the structure of ``sample`` (for a worker given b_i = 0)."""
-    if isinstance(sample, torch.Tensor):
-        return sample[:0]
-    if isinstance(sample, tuple | list):
-        return type(sample)(_empty_like(s) for s in sample)
-    if isinstance(sample, dict):
-        return {k: _empty_like(v) for k, v in sample.items()}
-    return sample
-
-
 class HeteroDataLoader:
     """Iterates one epoch per ``for`` loop, yielding this rank's local batch of each step.
 
     Every index of an epoch is used exactly once, whatever the splits and however often
-    they change; breaking out of the loop and iterating again resumes the same epoch.
+    they change; breaking out of the loop and iterating again resumes the same epoch, and
+    an iteration that starts once the epoch has no step left starts the next one (a loop
+    that stops after ``len(loader)`` steps without exhausting the iterator, as Lightning's
+    does). ``batch_size`` is the total over all workers. ``shuffle=False`` keeps the
+    dataset's order (each step's samples are then the ones DistributedSampler with
+    ``shuffle=False`` gives the ranks together). ``num_workers`` processes load the
+    samples, the next step's while this one trains (:mod:`cannikin.runtime.fetch`; a
+    TensorDataset is always indexed in this process); ``pin_memory`` as DataLoader's.
     ``rank`` and ``world_size`` each default to the default process group's (or 0 and 1
     without one); HeteroDataParallel sets them when it attaches.
     """
 
-    def __init__(self, dataset: Dataset[Any], batch_size: int, *, seed: int = 0,
-                 drop_last: bool = False, collate_fn: Callable[[list[Any]], Batch] | None = None,
-                 rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False,
+                 collate_fn: Callable[[list[Any]], Batch] | None = None, num_workers: int = 0,
+                 pin_memory: bool = False, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if isinstance(dataset, IterableDataset):
@@ -108,7 +106,9 @@ class HeteroDataLoader:
         self.dataset = dataset
         self.batch_size = batch_size
         self.collate_fn = collate_fn or default_collate
-        self.sampler = UnevenSampler(size, seed=seed, drop_last=drop_last)
+        self.sampler = UnevenSampler(size, seed=seed, drop_last=drop_last, shuffle=shuffle)
+        self.fetcher = make_fetcher(dataset, self.collate_fn, num_workers=num_workers,
+                                    pin_memory=pin_memory)
         initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
         if world_size is None:
             world_size = torch.distributed.get_world_size() if initialized else 1
@@ -157,10 +157,17 @@ class HeteroDataLoader:
         return self.sampler.epoch
 
     def __len__(self) -> int:
-        """Steps left in this epoch at the current total batch."""
+        """Steps in this epoch at the current total batch, as DataLoader's: the same number
+        throughout a fixed-batch epoch (the steps taken, then the steps left at the current
+        total once the batch adapts). Once the epoch has no step left it counts the next."""
         total = self.controller.total_batch
-        left = self.sampler.remaining()
-        return left // total if self.sampler.drop_last else -(-left // total)
+        sampler = self.sampler
+        if sampler.next_total(total) == 0:
+            return sampler.num_samples // total if sampler.drop_last else -(
+                -sampler.num_samples // total)
+        left = sampler.remaining()
+        taken = -(-sampler.position // total)
+        return taken + (left // total if sampler.drop_last else -(-left // total))
 
     def set_epoch(self, epoch: int) -> None:
         """DistributedSampler's ``set_epoch`` (see :meth:`UnevenSampler.set_epoch`)."""
@@ -171,6 +178,8 @@ class HeteroDataLoader:
         # ``next(iter(loader))``) comes again, so no sample of the epoch is lost
         if self.controller.abandon_step() and self._before_take is not None:
             self.rewind()
+        if self.sampler.next_total(self.controller.total_batch) == 0:
+            self.sampler.new_epoch()  # the last one ended without its StopIteration
         while True:
             total = self.sampler.next_total(self.controller.total_batch)
             if total == 0:
@@ -179,8 +188,20 @@ class HeteroDataLoader:
             self._before_take = self.sampler.state_dict()
             indices = self.sampler.take(split, self.rank)
             self.controller.begin_step(tuple(split))
-            yield self._fetch(indices)
+            yield self.fetcher.fetch(indices, self._upcoming() if self.fetcher.prefetches
+                                     else None)
         self.sampler.new_epoch()
+
+    def _upcoming(self) -> Any:
+        """The next step's indices as the plan stands (None at the end of the epoch)."""
+        total = self.sampler.next_total(self.controller.total_batch)
+        if total == 0:
+            return None
+        return self.sampler.peek(self.controller.split_for(total), self.rank)
+
+    def close(self) -> None:
+        """Stop the loading processes (``num_workers``); the loader cannot load after it."""
+        self.fetcher.close()
 
     def rewind(self) -> None:
         """Give back the last step's samples (its update was skipped): they come again next."""
@@ -188,17 +209,6 @@ class HeteroDataLoader:
             raise RuntimeError("rewind() before any step was taken")
         self.sampler.load_state_dict(self._before_take)
         self._before_take = None
-
-    def _fetch(self, indices: IndexArray) -> Batch:
-        if isinstance(self.dataset, TensorDataset):  # one gather per tensor, no Python list
-            index = torch.from_numpy(indices.astype(np.int64, copy=False))
-            return tuple(t[index] for t in self.dataset.tensors)
-        if indices.size == 0:
-            return _empty_like(self.collate_fn([self.dataset[0]]))
-        chosen = indices.tolist()
-        getitems = getattr(self.dataset, "__getitems__", None)
-        samples = getitems(chosen) if getitems else [self.dataset[i] for i in chosen]
-        return self.collate_fn(samples)
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int | bool]:

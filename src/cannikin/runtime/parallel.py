@@ -42,6 +42,7 @@ from cannikin.runtime.comm import CommState, weighted_allreduce_hook
 from cannikin.runtime.loader import HeteroDataLoader
 from cannikin.runtime.planner import (
     REPORT_SIZE,
+    SPLITS,
     Planner,
     PlannerConfig,
     PlanRecord,
@@ -51,7 +52,7 @@ from cannikin.runtime.planner import (
 from cannikin.runtime.precondition import Preconditioner
 from cannikin.runtime.step_timeout import StepTimeout
 from cannikin.runtime.timing import Clock, clock_for
-from cannikin.scaling import LRScaler
+from cannikin.scaling import RULES, LRScaler
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,35 @@ class _Cycle:
     """The LR factor is applied for this step."""
     preconditioned: bool | None = None
     """Adam is past its warm-up; None: not seen yet."""
+    said_unattached: bool = False
+    """The warning that training runs before :meth:`HeteroDataParallel.attach` was logged."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Options:
+    """The planning options given when wrapping, used once :meth:`HeteroDataParallel.attach`
+    has the optimizer and the loader."""
+
+    split: str
+    lr_scaling: str
+    replan_every: int
+    warmup_steps: int
+    max_local_batch: int | Sequence[int | None] | None
+    device_name: str | None
+
+
+@dataclass(kw_only=True)
+class _Attached:
+    """The optimizer and loader a model plans for, and what is built from them."""
+
+    optimizer: torch.optim.Optimizer
+    loader: HeteroDataLoader
+    planner: Planner
+    precondition: Preconditioner
+    scaler: LRScaler
+    noise_decides: bool
+    """The noise scale chooses the batch or the LR (norms on every measured step)."""
+    hooks: list[Any]
 
 
 class MetricsSink(Protocol):
@@ -152,11 +182,13 @@ class HeteroDataParallel(nn.Module):
     ``slowdown_profile``: (fixed_s, per_sample_s) of the emulated reference device's
     forward (backward takes twice as long); set it above the real compute time.
     ``device_name``: the key under which this worker's fitted model is cached.
-    Extra keyword arguments go to DistributedDataParallel.
+    Extra keyword arguments go to DistributedDataParallel. ``optimizer`` and ``loader`` may
+    come later, through :meth:`attach`, as with DDP, where the optimizer is built from the
+    wrapped model's parameters.
     """
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                 loader: HeteroDataLoader, *, split: str = "optimal",
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 loader: HeteroDataLoader | None = None, *, split: str = "optimal",
                  lr_scaling: str = "auto", replan_every: int = 5, warmup_steps: int = 4,
                  metrics: MetricsSink | None = None,
                  max_local_batch: int | Sequence[int | None] | None = None,
@@ -167,8 +199,9 @@ class HeteroDataParallel(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("HeteroDataParallel needs a process group: call "
                                "cannikin.runtime.init_distributed() first")
-        if not optimizer.param_groups:
-            raise ValueError("the optimizer has no param groups")
+        if (optimizer is None) != (loader is None):
+            raise ValueError("pass both the optimizer and the loader, or neither (and call "
+                             "model.attach(optimizer, loader) once both exist)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         first = next(module.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -176,43 +209,93 @@ class HeteroDataParallel(nn.Module):
             raise ValueError(f"the process group is nccl, which reduces CUDA tensors only, but "
                              f"the model is on {self.device}: move it to this process's GPU "
                              f"(init_distributed's ctx.device) before wrapping it")
-        self.optimizer = optimizer
-        self.loader = loader
         self.metrics = metrics
+        if lr_scaling != "auto" and lr_scaling not in RULES:
+            raise ValueError(f"unknown lr_scaling {lr_scaling!r}; valid: 'auto', {list(RULES)}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        self._options = _Options(split=split, lr_scaling=lr_scaling, replan_every=replan_every,
+                                 warmup_steps=warmup_steps, max_local_batch=max_local_batch,
+                                 device_name=device_name)
         self._emulation = self._install_slowdown(module, slowdown, slowdown_profile)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device])
         self.ddp = DistributedDataParallel(module, **ddp_kwargs)
         self.clock: Clock = clock_for(self.device)
-        self.precondition = Preconditioner(optimizer)
-        self.comm = CommState(clock=self.clock, weight=1.0 / self.world_size,
-                              transform=self.precondition if self.precondition.adaptive
-                              else None)
+        self.comm = CommState(clock=self.clock, weight=1.0 / self.world_size)
         self.ddp.register_comm_hook(self.comm, weighted_allreduce_hook)
-        caps, names = self._gather_identity(max_local_batch, device_name)
+        self._cycle = _Cycle()
+        self._parts: _Attached | None = None
+        self.collective_timeout = StepTimeout()  # lowered from init's once steps are measured
+        if optimizer is not None and loader is not None:
+            self.attach(optimizer, loader)
+
+    def attach(self, optimizer: torch.optim.Optimizer, loader: HeteroDataLoader) -> None:
+        """Start planning with ``optimizer`` (built from this model's parameters) and
+        ``loader``, in the usual DDP order: wrap, then build the optimizer, then attach.
+        Until then the model trains as plain DDP (the ranks' mean gradient). Every rank
+        calls it (it gathers each rank's memory cap and device name)."""
+        if self._parts is not None:
+            raise RuntimeError("this HeteroDataParallel is attached already: one optimizer "
+                               "and one loader per wrapped model")
+        if not optimizer.param_groups:
+            raise ValueError("the optimizer has no param groups")
+        options = self._options
+        precondition = Preconditioner(optimizer)
+        self.comm.transform = precondition if precondition.adaptive else None
+        caps, names = self._gather_identity(options.max_local_batch, options.device_name)
         auto = loader.autoscale
         lo, hi = auto.local_bsz_bounds if auto is not None else (1, None)
-        self.planner = Planner(PlannerConfig(
-            world_size=self.world_size, init_batch=loader.batch_size, split=split,
-            replan_every=replan_every, warmup_steps=warmup_steps,
+        planner = Planner(PlannerConfig(
+            world_size=self.world_size, init_batch=loader.batch_size, split=options.split,
+            replan_every=options.replan_every, warmup_steps=options.warmup_steps,
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
             max_local=hi, caps=caps, names=names), log_plans=self.rank == 0)
+        lr_scaling = options.lr_scaling
         if lr_scaling == "auto":
             lr_scaling = ("none" if auto is None else
-                          "adamscale" if self.precondition.adaptive else "adascale")
-        self.scaler = LRScaler(optimizer, lr_scaling, init_batch=loader.batch_size)
-        # the noise scale chooses the batch or the LR: norms on every measured step, else
-        # on every NORM_STRIDE-th (for the metrics)
-        self._noise_decides = auto is not None or lr_scaling in ("adascale", "adamscale")
-        self._cycle = _Cycle()
-        self._hooks = [optimizer.register_step_pre_hook(self._before_optimizer_step),
-                       optimizer.register_step_post_hook(self._after_optimizer_step)]
+                          "adamscale" if precondition.adaptive else "adascale")
+        self._parts = _Attached(
+            optimizer=optimizer, loader=loader, planner=planner, precondition=precondition,
+            scaler=LRScaler(optimizer, lr_scaling, init_batch=loader.batch_size),
+            # the noise scale chooses the batch or the LR: norms on every measured step,
+            # else on every NORM_STRIDE-th (for the metrics)
+            noise_decides=auto is not None or lr_scaling in ("adascale", "adamscale"),
+            hooks=[optimizer.register_step_pre_hook(self._before_optimizer_step),
+                   optimizer.register_step_post_hook(self._after_optimizer_step)])
         loader.attach(self, self.rank, self.world_size)
-        self.collective_timeout = StepTimeout()  # lowered from init's once steps are measured
         logger.info("batch_size %d is the total over %d workers (a DataLoader's batch_size "
                     "is per rank: DDP with %d per rank trains like batch_size=%d here)",
                     loader.batch_size, self.world_size, loader.batch_size,
                     loader.batch_size * self.world_size)
+
+    @property
+    def attached(self) -> _Attached:
+        """What :meth:`attach` set up; a RuntimeError naming the fix before it."""
+        if self._parts is None:
+            raise RuntimeError("this HeteroDataParallel has no optimizer and loader yet: call "
+                               "model.attach(optimizer, loader) (or pass both when wrapping)")
+        return self._parts
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.attached.optimizer
+
+    @property
+    def loader(self) -> HeteroDataLoader:
+        return self.attached.loader
+
+    @property
+    def planner(self) -> Planner:
+        return self.attached.planner
+
+    @property
+    def scaler(self) -> LRScaler:
+        return self.attached.scaler
+
+    @property
+    def precondition(self) -> Preconditioner:
+        return self.attached.precondition
 
     # -- set-up ----------------------------------------------------------------------------------
     def _install_slowdown(self, module: nn.Module, slowdown: float | None,
@@ -320,7 +403,7 @@ class HeteroDataParallel(nn.Module):
         cycle.measuring = self.planner.measures(cycle.step) and not interrupted
         cycle.interrupted = False
         self.comm.begin_step(split[self.rank] / total)
-        cycle.norms = cycle.measuring and (self._noise_decides
+        cycle.norms = cycle.measuring and (self.attached.noise_decides
                                            or cycle.step % NORM_STRIDE == 0)
         self.comm.capture_sqnorm = cycle.norms
         cycle.bwd_start = None
@@ -333,6 +416,11 @@ class HeteroDataParallel(nn.Module):
         cycle = self._cycle
         if not cycle.stepping:
             cycle.interrupted = True
+            if self._parts is None and torch.is_grad_enabled() and not cycle.said_unattached:
+                cycle.said_unattached = True
+                logger.warning("HeteroDataParallel is not attached to an optimizer and a "
+                               "loader: it trains as plain DDP (an even mean of the ranks' "
+                               "gradients) until model.attach(optimizer, loader)")
         try:
             out = self.ddp(*args, **kwargs)
         except torch.cuda.OutOfMemoryError:
@@ -598,7 +686,7 @@ class HeteroDataParallel(nn.Module):
 
     def remove_hooks(self) -> None:
         """Detach from the optimizer and remove the emulation (the model stays wrapped)."""
-        for handle in self._hooks:
+        for handle in self.attached.hooks if self._parts is not None else []:
             handle.remove()
         if self._emulation is not None:
             self._emulation.remove()

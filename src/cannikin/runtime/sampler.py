@@ -59,18 +59,23 @@ class UnevenSampler:
     epoch is skipped instead of being split.
     """
 
-    def __init__(self, num_samples: int, seed: int = 0, drop_last: bool = False) -> None:
+    def __init__(self, num_samples: int, seed: int = 0, drop_last: bool = False,
+                 shuffle: bool = True) -> None:
         self.num_samples = _check_int("num_samples", num_samples, minimum=1)
         self.seed = _check_int("seed", seed, minimum=0)
         self.drop_last = bool(drop_last)
+        self.shuffle = bool(shuffle)
         self.epoch = 0
         self.position = 0
         self._permutation: IndexArray | None = None
 
     def permutation(self) -> IndexArray:
-        """This epoch's permutation (computed once per epoch)."""
+        """This epoch's permutation (computed once per epoch); the dataset's own order
+        without ``shuffle``."""
         if self._permutation is None:
-            self._permutation = epoch_permutation(self.seed, self.epoch, self.num_samples)
+            self._permutation = (
+                epoch_permutation(self.seed, self.epoch, self.num_samples) if self.shuffle
+                else np.arange(self.num_samples, dtype=np.int64))
         return self._permutation
 
     def remaining(self) -> int:
@@ -116,6 +121,15 @@ class UnevenSampler:
         self.position += total
         return self.permutation()[start:stop].copy()
 
+    def peek(self, local_batches: Sequence[int], rank: int) -> IndexArray:
+        """What :meth:`take` would return now, without advancing (for prefetching); an
+        empty array where it would refuse."""
+        total = sum(local_batches)
+        if not 1 <= total <= self.remaining() or not 0 <= rank < len(local_batches):
+            return np.empty(0, dtype=np.int64)
+        start, stop = split_slices(self.position, local_batches)[rank]
+        return self.permutation()[start:stop].copy()
+
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration use ``epoch``'s permutation, as DistributedSampler's
         ``set_epoch`` does. The epoch in progress is kept when ``epoch`` names it, so the
@@ -139,7 +153,8 @@ class UnevenSampler:
     def state_dict(self) -> dict[str, int | bool]:
         """Plain numbers: enough to resume exactly-once on any number of workers."""
         return {"version": STATE_VERSION, "num_samples": self.num_samples, "seed": self.seed,
-                "epoch": self.epoch, "position": self.position, "drop_last": self.drop_last}
+                "epoch": self.epoch, "position": self.position, "drop_last": self.drop_last,
+                "shuffle": self.shuffle}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`; refuse, saying why, a state this sampler cannot honour.
@@ -166,6 +181,10 @@ class UnevenSampler:
         position = _check_int("position", state["position"], minimum=0)
         if position > self.num_samples:
             raise ValueError(f"position must be in [0, {self.num_samples}], got {position}")
+        if bool(state.get("shuffle", True)) != self.shuffle:
+            raise ValueError(f"cannot resume: the checkpoint was taken with shuffle="
+                             f"{bool(state.get('shuffle', True))} but this sampler has shuffle="
+                             f"{self.shuffle}; resuming would not visit each sample exactly once")
         if "drop_last" in state and bool(state["drop_last"]) != self.drop_last:
             logger.warning("checkpoint had drop_last=%s; continuing with drop_last=%s",
                            bool(state["drop_last"]), self.drop_last)

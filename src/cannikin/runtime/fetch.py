@@ -1,0 +1,192 @@
+"""Loading a step's samples: in this process, or in worker processes (``num_workers``).
+
+HeteroDataLoader cannot hand a DataLoader its indices ahead of time: each step's split is
+planned after the previous step's optimizer step. So :class:`ProcessFetcher` loads the
+step in hand in ``num_workers`` chunks at once, and, while the step trains, the next step's
+indices *as the plan stands*; if a re-plan changes them, that prefetch is dropped and the
+step is loaded when asked for. The prefetch is a cache keyed by the indices themselves,
+so it can never change which samples a step gets.
+
+With the default collate function each worker collates its chunk and the chunks are
+concatenated (the same batch as collating all samples at once); a custom ``collate_fn``
+(one that pads to the longest sample, say) gets all the step's samples in this process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as torch_mp
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from cannikin.runtime.sampler import IndexArray
+
+Batch = Any
+Collate = Callable[[list[Any]], Batch]
+
+
+def _empty_like(sample: Any) -> Any:
+    """A zero-length batch with the structure of ``sample`` (for a worker given b_i = 0)."""
+    if isinstance(sample, torch.Tensor):
+        return sample[:0]
+    if isinstance(sample, tuple | list):
+        return type(sample)(_empty_like(s) for s in sample)
+    if isinstance(sample, dict):
+        return {k: _empty_like(v) for k, v in sample.items()}
+    return sample
+
+
+def _samples(dataset: Dataset[Any], indices: Sequence[int]) -> list[Any]:
+    getitems = getattr(dataset, "__getitems__", None)
+    return list(getitems(list(indices))) if getitems else [dataset[i] for i in indices]
+
+
+def concat_batches(parts: Sequence[Batch]) -> Batch:
+    """Collated chunks joined into one batch along the sample dimension: tensors
+    concatenated, sequences of leaves (strings, say) chained, containers entry by entry."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(parts))
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(concat_batches(p) for p in zip(*parts, strict=True)))
+    if isinstance(first, tuple | list):
+        if all(isinstance(item, torch.Tensor | tuple | list | dict) for item in first):
+            return type(first)(concat_batches(p) for p in zip(*parts, strict=True))
+        # default_collate gives strings (and other leaves) back as the batch's sequence
+        return type(first)(item for part in parts for item in part)
+    if isinstance(first, dict):
+        return type(first)({key: concat_batches([p[key] for p in parts]) for key in first})
+    raise TypeError(f"cannot join collated batches of type {type(first).__name__}: pass a "
+                    f"collate_fn, whose batches are collated in the main process")
+
+
+def pinned(batch: Batch) -> Batch:
+    """Every tensor of ``batch`` in page-locked memory (a faster copy to the GPU)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(pinned(b) for b in batch))
+    if isinstance(batch, tuple | list):
+        return type(batch)(pinned(b) for b in batch)
+    if isinstance(batch, dict):
+        return type(batch)({k: pinned(v) for k, v in batch.items()})
+    return batch
+
+
+class LocalFetcher:
+    """Loads in this process (``num_workers=0``)."""
+
+    prefetches = False
+    """Whether :meth:`fetch` makes use of the next step's indices."""
+
+    def __init__(self, dataset: Dataset[Any], collate_fn: Collate, pin_memory: bool) -> None:
+        self.dataset, self.collate_fn, self.pin_memory = dataset, collate_fn, pin_memory
+
+    def fetch(self, indices: IndexArray, upcoming: IndexArray | None = None) -> Batch:
+        """The batch of ``indices`` (``upcoming``: the next step's, ignored here)."""
+        batch = self._load(indices)
+        return pinned(batch) if self.pin_memory else batch
+
+    def _load(self, indices: IndexArray) -> Batch:
+        if isinstance(self.dataset, TensorDataset):  # one gather per tensor, no Python list
+            index = torch.from_numpy(indices.astype(np.int64, copy=False))
+            return tuple(t[index] for t in self.dataset.tensors)
+        if indices.size == 0:
+            return _empty_like(self.collate_fn([self.dataset[0]]))
+        return self.collate_fn(_samples(self.dataset, indices.tolist()))
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+_WORKER_STATE: dict[str, Any] = {}
+"""Per worker *process*: the dataset and collate function, set once when it starts."""
+
+
+def _init_worker(dataset: Dataset[Any], collate_fn: Collate | None) -> None:
+    torch.set_num_threads(1)
+    _WORKER_STATE.update(dataset=dataset, collate_fn=collate_fn)
+
+
+def _load_chunk(indices: list[int]) -> Batch:
+    """In a worker: the samples of ``indices``, collated there if it was given a collate."""
+    samples = _samples(_WORKER_STATE["dataset"], indices)
+    collate = _WORKER_STATE["collate_fn"]
+    return samples if collate is None else collate(samples)
+
+
+class ProcessFetcher(LocalFetcher):
+    """Loads in ``num_workers`` processes, and prefetches the next step (module docstring)."""
+
+    prefetches = True
+
+    def __init__(self, dataset: Dataset[Any], collate_fn: Collate, pin_memory: bool,
+                 num_workers: int) -> None:
+        super().__init__(dataset, collate_fn, pin_memory)
+        self.num_workers = num_workers
+        self._collate_in_worker = collate_fn is default_collate
+        # fork where it exists, as DataLoader does on Linux: the dataset is inherited, not
+        # pickled
+        method = "fork" if "fork" in torch_mp.get_all_start_methods() else "spawn"
+        self._pool = ProcessPoolExecutor(
+            max_workers=num_workers, mp_context=torch_mp.get_context(method),
+            initializer=_init_worker,
+            initargs=(dataset, default_collate if self._collate_in_worker else None))
+        self._ahead: tuple[IndexArray, list[Future[Batch]]] | None = None
+        self._closed = False
+
+    def fetch(self, indices: IndexArray, upcoming: IndexArray | None = None) -> Batch:
+        """The batch of ``indices``; then starts loading ``upcoming`` (the next step's as the
+        plan stands) while this step trains."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and np.array_equal(ahead[0], indices):
+            futures = ahead[1]
+        else:
+            if ahead is not None:
+                for future in ahead[1]:
+                    future.cancel()
+            futures = self._submit(indices)
+        batch = self._join(indices, [future.result() for future in futures])
+        if upcoming is not None and upcoming.size:
+            self._ahead = (upcoming, self._submit(upcoming))
+        return pinned(batch) if self.pin_memory else batch
+
+    def _submit(self, indices: IndexArray) -> list[Future[Batch]]:
+        if self._closed:
+            raise RuntimeError("this HeteroDataLoader was closed: its loading processes are "
+                               "gone; make a new loader to iterate again")
+        if indices.size == 0:
+            return []
+        chunks = np.array_split(indices, min(self.num_workers, indices.size))
+        return [self._pool.submit(_load_chunk, chunk.tolist()) for chunk in chunks]
+
+    def _join(self, indices: IndexArray, parts: list[Batch]) -> Batch:
+        if not parts:
+            return _empty_like(self.collate_fn([self.dataset[0]]))
+        if self._collate_in_worker:
+            return parts[0] if len(parts) == 1 else concat_batches(parts)
+        return self.collate_fn([sample for part in parts for sample in part])
+
+    def close(self) -> None:
+        """Stop the worker processes (drops a prefetch in flight)."""
+        self._ahead, self._closed = None, True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def make_fetcher(dataset: Dataset[Any], collate_fn: Collate, *, num_workers: int,
+                 pin_memory: bool) -> LocalFetcher:
+    """The fetcher for these DataLoader-style options (``num_workers`` 0: this process)."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not (
+            0 <= num_workers <= (os.cpu_count() or 1) * 4):
+        raise ValueError(f"num_workers must be an integer in [0, {(os.cpu_count() or 1) * 4}] "
+                         f"(4 per CPU at most), got {num_workers!r}")
+    if pin_memory and not torch.cuda.is_available():
+        pin_memory = False  # as DataLoader: nothing to pin for without a GPU
+    if num_workers == 0 or isinstance(dataset, TensorDataset):
+        return LocalFetcher(dataset, collate_fn, pin_memory)
+    return ProcessFetcher(dataset, collate_fn, pin_memory, num_workers)

@@ -1,0 +1,166 @@
+"""HeteroDataLoader's DataLoader-style options in one process: shuffle=False, a len() that
+stays put through an epoch, an epoch that ends without its StopIteration, and loading in
+worker processes (num_workers) with the next step prefetched, checked against loading in
+this process on the same steps."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from cannikin.runtime.fetch import concat_batches, make_fetcher
+from cannikin.runtime.loader import HeteroDataLoader
+from cannikin.runtime.sampler import UnevenSampler
+
+Sample = namedtuple("Sample", ["x", "label", "name"])
+
+
+class Records(Dataset[dict[str, Any]]):
+    """Dict samples with a string, and with ``seq`` a variable-length field (for a padding
+    collate)."""
+
+    def __init__(self, seq: bool = False) -> None:
+        self.seq = seq
+
+    def __len__(self) -> int:
+        return 61
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        sample: dict[str, Any] = {"x": torch.full((3,), float(i)), "id": i, "name": f"s{i}"}
+        if self.seq:
+            sample["seq"] = torch.arange(i % 5 + 1)
+        return sample
+
+
+def padded(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """A collate that pads ``seq`` to the batch's longest (chunks would not pad alike)."""
+    out = default_collate([{k: v for k, v in s.items() if k != "seq"} for s in batch])
+    out["seq"] = torch.nn.utils.rnn.pad_sequence([s["seq"] for s in batch], batch_first=True)
+    return out
+
+
+class Replanning:
+    """A controller whose split changes between steps (after the loader has prefetched
+    the next step with the old one), as a re-plan in the optimizer step does."""
+
+    def __init__(self, total: int, world: int) -> None:
+        self.total, self.world, self.plans = total, world, 0
+
+    @property
+    def total_batch(self) -> int:
+        return self.total
+
+    def split_for(self, total: int) -> tuple[int, ...]:
+        shares = [1 + (self.plans + r) % 3 for r in range(self.world)]
+        split = [total * s // sum(shares) for s in shares]
+        split[-1] += total - sum(split)
+        return tuple(split)
+
+    def begin_step(self, split: tuple[int, ...]) -> None:
+        """Nothing to prepare."""
+
+    def abandon_step(self) -> bool:
+        return False
+
+    def replan(self, step: int) -> None:
+        if step % 2:  # every other step: half the prefetches miss
+            self.plans += 1
+
+
+def run_epochs(dataset: Dataset[Any], epochs: int, **kwargs: Any) -> list[list[Any]]:
+    """Every rank's batches of ``epochs`` epochs, with a re-plan between steps."""
+    world, per_rank = 2, []
+    for rank in range(world):
+        loader = HeteroDataLoader(dataset, batch_size=14, seed=3, rank=rank, world_size=world,
+                                  **kwargs)
+        controller = Replanning(14, world)
+        loader.attach(controller, rank, world)
+        batches = []
+        for _ in range(epochs):
+            for step, batch in enumerate(loader):
+                batches.append(batch)
+                controller.replan(step)
+        loader.close()
+        per_rank.append(batches)
+    return per_rank
+
+
+def test_worker_processes_load_the_same_batches_as_this_process() -> None:
+    for dataset, kwargs in ((Records(), {}), (Records(seq=True), {"collate_fn": padded})):
+        here = run_epochs(dataset, 2, **kwargs)
+        workers = run_epochs(dataset, 2, num_workers=3, **kwargs)
+        for rank_here, rank_workers in zip(here, workers, strict=True):
+            assert len(rank_here) == len(rank_workers)
+            for mine, theirs in zip(rank_here, rank_workers, strict=True):
+                assert mine.keys() == theirs.keys() and mine["name"] == theirs["name"]
+                for key in mine.keys() - {"name"}:  # seq: padded once, to the batch's longest
+                    assert torch.equal(mine[key], theirs[key]), key
+        ids = [i for rank in workers for batch in rank for i in batch["id"].tolist()]
+        assert sorted(ids) == sorted(list(range(61)) * 2)  # every sample once per epoch
+
+
+def test_chunks_join_into_what_one_collate_gives() -> None:
+    samples = [Sample(torch.randn(2, 3), i, f"n{i}") for i in range(7)]
+    whole = default_collate(samples)
+    joined = concat_batches([default_collate(samples[:3]), default_collate(samples[3:])])
+    assert type(joined) is Sample and joined.name == whole.name
+    assert torch.equal(joined.x, whole.x) and torch.equal(joined.label, whole.label)
+
+
+def test_num_workers_is_validated_and_a_tensor_dataset_stays_in_this_process() -> None:
+    with pytest.raises(ValueError, match="num_workers must be an integer"):
+        HeteroDataLoader(Records(), batch_size=4, num_workers=-1)
+    data = TensorDataset(torch.arange(10))
+    assert not make_fetcher(data, default_collate, num_workers=2, pin_memory=False).prefetches
+
+
+def test_a_closed_loader_says_so() -> None:
+    loader = HeteroDataLoader(Records(), batch_size=4, num_workers=1)
+    next(iter(loader))
+    loader.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        next(iter(loader))
+
+
+def test_shuffle_false_keeps_the_dataset_order() -> None:
+    data = TensorDataset(torch.arange(23))
+    loader = HeteroDataLoader(data, batch_size=5, shuffle=False)
+    assert [int(i) for (batch,) in loader for i in batch] == list(range(23))
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="shuffle=False but this sampler has shuffle=True"):
+        HeteroDataLoader(data, batch_size=5).load_state_dict(state)
+
+
+def test_peek_is_take_without_advancing() -> None:
+    sampler = UnevenSampler(20, seed=1)
+    peeked = sampler.peek([3, 4], 1)
+    assert sampler.position == 0 and np.array_equal(peeked, sampler.take([3, 4], 1))
+    assert sampler.peek([30, 4], 0).size == 0  # more than is left: what take refuses
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_len_stays_put_through_an_epoch(drop_last: bool) -> None:
+    data = TensorDataset(torch.arange(23))
+    loader = HeteroDataLoader(data, batch_size=5, drop_last=drop_last)
+    expected = 4 if drop_last else 5
+    for _ in range(2):
+        lengths = [len(loader)]
+        for _ in loader:
+            lengths.append(len(loader))
+        assert lengths == [expected] * (expected + 1)
+
+
+def test_an_epoch_stopped_after_len_steps_ends_there() -> None:
+    # Lightning's fit loop takes len(loader) batches and never asks for the StopIteration:
+    # the next iteration must start the next epoch, not yield nothing
+    data = TensorDataset(torch.arange(23))
+    loader = HeteroDataLoader(data, batch_size=5)
+    for epoch in range(3):
+        it = iter(loader)
+        seen = [int(i) for _ in range(len(loader)) for i in next(it)[0]]
+        assert sorted(seen) == list(range(23)) and loader.epoch == epoch
