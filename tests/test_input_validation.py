@@ -82,7 +82,7 @@ CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
     ("optimizer without param groups", no_param_groups, ValueError,
      "the optimizer has no param groups"),
     ("unknown split", lambda: wrap(split="fast"), ValueError,
-     r"split must be one of \('optimal', 'even'\), got 'fast'"),
+     r"split must be one of \('optimal', 'even', 'adaptdl'\), got 'fast'"),
     ("unknown LR rule", lambda: wrap(lr_scaling="cubic"), ValueError, "'cubic'"),
     ("replan_every 0", lambda: wrap(replan_every=0), ValueError,
      "replan_every must be >= 1, got 0"),

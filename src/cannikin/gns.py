@@ -95,7 +95,7 @@ FloatArray = npt.NDArray[np.float64]
 # capping it keeps efficiency (phi + B0) / (phi + B) finite when |G|^2 is estimated as 0.
 MAX_NOISE_SCALE = 1e12
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 def _all_finite_nonnegative(values: FloatArray) -> bool:
@@ -258,11 +258,14 @@ class NoiseScaleTracker:
         self._sqr_biased = 0.0
         self._var_biased = 0.0
         self._unbias = 0.0
+        self._sqr2_biased = 0.0  # the same average of |G|^2 estimates squared
+        self._weight2 = 0.0  # the sum of the squared weights (for the standard error)
         self.num_updates = 0
 
     def reset(self) -> None:
         """Forget all updates, e.g. when the gradient space changes (see Preconditioner)."""
         self._sqr_biased = self._var_biased = self._unbias = 0.0
+        self._sqr2_biased = self._weight2 = 0.0
         self.num_updates = 0
 
     def update(
@@ -291,8 +294,25 @@ class NoiseScaleTracker:
         self._sqr_biased = theta * self._sqr_biased + (1.0 - theta) * grad_sqr
         self._var_biased = theta * self._var_biased + (1.0 - theta) * grad_var
         self._unbias = theta * self._unbias + (1.0 - theta)
+        self._sqr2_biased = theta * self._sqr2_biased + (1.0 - theta) * grad_sqr * grad_sqr
+        self._weight2 = theta * theta * self._weight2 + (1.0 - theta) ** 2
         self.num_updates += 1
         return True
+
+    @property
+    def grad_sqr_error(self) -> float:
+        """Standard error of :attr:`raw_grad_sqr` from the spread of the per-step estimates
+        (their weighted variance, corrected for the weights' bias, times the sum of the
+        squared normalised weights); ``inf`` before two updates. Far above B the noise
+        scale is a ratio over a |G|^2 estimate that noise can drive to 0 or below."""
+        if self.num_updates < 2 or self._weight2 <= 0:
+            return math.inf
+        mean = self._sqr_biased / self._unbias
+        spread = max(self._sqr2_biased / self._unbias - mean * mean, 0.0)
+        concentration = self._weight2 / (self._unbias * self._unbias)  # sum w_k^2, sum w_k = 1
+        if concentration >= 1.0:
+            return math.inf
+        return math.sqrt(spread / (1.0 - concentration) * concentration)
 
     @property
     def raw_grad_sqr(self) -> float | None:
@@ -337,17 +357,21 @@ class NoiseScaleTracker:
             "sqr_biased": self._sqr_biased,
             "var_biased": self._var_biased,
             "unbias": self._unbias,
+            "sqr2_biased": self._sqr2_biased,
+            "weight2": self._weight2,
             "num_updates": self.num_updates,
         }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         """Restore :meth:`state_dict`; raises ValueError for a malformed or foreign state."""
         expected = {"version", "sqr_biased", "var_biased", "unbias", "num_updates"}
+        if state.get("version") == _STATE_VERSION:
+            expected |= {"sqr2_biased", "weight2"}
         if set(state) != expected:
             raise ValueError(
                 f"noise-scale state must have keys {sorted(expected)}, got {sorted(state)}"
             )
-        if state["version"] != _STATE_VERSION:
+        if state["version"] not in (1, _STATE_VERSION):
             raise ValueError(
                 f"noise-scale state version {state['version']} is not supported "
                 f"(expected {_STATE_VERSION})"
@@ -362,4 +386,7 @@ class NoiseScaleTracker:
                 f"unbias={values[2]}"
             )
         self._sqr_biased, self._var_biased, self._unbias = values
+        # a version-1 state has no spread: its standard error is unknown (inf) from here
+        self._sqr2_biased = float(state.get("sqr2_biased", 0.0))
+        self._weight2 = float(state.get("weight2", 0.0))
         self.num_updates = int(updates)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cannikin.optperf import Plan, Splitter, StepTimeCurve
+from cannikin.optperf import Plan, Splitter, StepTimeCurve, share_split
 from cannikin.perf import ClusterModel, FloatArray, _is_int
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,10 @@ _REACH_SLACK = 1e-6
 MAX_SCAN = 1 << 18
 
 
-def _check_noise_scale(noise_scale: float) -> float:
+def _check_noise_scale(noise_scale: float | None) -> float:
+    if noise_scale is None:
+        raise ValueError("noise_scale=None: the noise scale is not estimated yet (no step "
+                         "with two gradient groups); keep the initial batch size until it is")
     phi = float(noise_scale)
     if math.isnan(phi) or phi < 0:
         raise ValueError(
@@ -214,3 +217,49 @@ def choose_batch_size(
     if best.goodput > stay.goodput * (1.0 + min_gain):
         return best
     return stay
+
+
+def choose_even_batch_size(
+    cluster: ClusterModel,
+    noise_scale: float,
+    init_batch: int,
+    max_batch: int,
+    current: int | None = None,
+    min_gain: float = 0.05,
+) -> BatchChoice:
+    """AdaptDL's policy, the baseline: the total batch in ``[init_batch, max_batch]`` with
+    the highest goodput when every total is split evenly (as far as the workers' caps
+    allow, :func:`~cannikin.optperf.share_split`), so the step time is the even split's,
+    not OptPerf's. ``current`` and ``min_gain`` as in :func:`choose_batch_size`. Every
+    total is evaluated: O(n (max_batch - init_batch)) time and memory.
+    """
+    phi = _check_noise_scale(noise_scale)
+    if not _is_int(init_batch) or init_batch < 1:
+        raise ValueError(f"init_batch={init_batch!r} must be an integer >= 1")
+    if not _is_int(max_batch) or max_batch < init_batch:
+        raise ValueError(f"max_batch={max_batch!r} must be an integer >= init_batch={init_batch}")
+    n = cluster.size
+    caps = [nd.max_batch for nd in cluster.nodes]
+    room = sum(c for c in caps if c is not None) if None not in caps else max_batch
+    floor = sum(nd.min_batch for nd in cluster.nodes)
+    lo, hi = max(init_batch, floor), min(max_batch, room)
+    if lo > hi:
+        raise ValueError(f"no total batch in [init_batch={init_batch}, max_batch={max_batch}] "
+                         f"fits the workers' bounds [{floor}, {room}]")
+    totals = np.arange(lo, hi + 1)
+    if None in caps:  # uncapped: b_i = B // n, the first B % n one more
+        splits = totals[None, :] // n + (np.arange(n)[:, None] < totals[None, :] % n)
+    else:
+        splits = np.array([share_split(int(t), np.ones(n), caps) for t in totals]).T
+    arr = cluster.arrays
+    times = np.max(arr.offsets[:, :, None] + arr.slopes[:, :, None] * splits[:, None, :],
+                   axis=(0, 1))
+    goodput = totals * _efficiency(totals.astype(np.float64), init_batch, phi) / times
+    k = int(np.argmax(goodput))
+    if current is not None and lo <= current <= hi:
+        stay = current - lo
+        if not goodput[k] > goodput[stay] * (1.0 + min_gain):
+            k = stay
+    split = tuple(int(b) for b in splits[:, k])
+    plan = Plan(local_batches=split, step_time=float(times[k]))
+    return _choice(plan, init_batch, phi)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cannikin.gns import NoiseScaleTracker
-from cannikin.goodput import choose_batch_size
+from cannikin.gns import MAX_NOISE_SCALE, NoiseScaleTracker
+from cannikin.goodput import choose_batch_size, choose_even_batch_size
 from cannikin.optperf import (
     CostlyWorker,
     Plan,
@@ -42,7 +42,7 @@ from cannikin.perf import (
 
 logger = logging.getLogger(__name__)
 
-SPLITS = ("optimal", "even")
+SPLITS = ("optimal", "even", "adaptdl")
 MAX_BUCKETS = 16
 """Buckets kept per step report; more are merged (adjacent, in ready order)."""
 _PREVIOUS = 6 + 2 * MAX_BUCKETS  # batch, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c..
@@ -164,7 +164,10 @@ class PlannerConfig:
     init_batch: int
     """B0: the total batch to start with (and keep, unless ``max_batch`` is set)."""
     split: str = "optimal"
-    """"optimal" (OptPerf) or "even" (the DDP baseline, same measurements)."""
+    """"optimal" (OptPerf); "even", the DDP baseline (a fixed total batch, split evenly, the
+    same measurements); or "adaptdl", AdaptDL's policy as a baseline (the total batch chosen
+    by goodput on the even split's step times, :func:`~cannikin.goodput.
+    choose_even_batch_size`, and split evenly; it needs ``max_batch``)."""
     replan_every: int = 5
     """K: re-plan after every K steps once warm."""
     max_replan_every: int = 40
@@ -188,8 +191,18 @@ class PlannerConfig:
     """Per-worker largest local batch (memory); () for none."""
     names: tuple[str, ...] = ()
     """Per-worker device name, the key of cached models; () for "worker<i>"."""
-    gns_smoothing: float = 0.9
-    """Per-step smoothing of the noise-scale average (see NoiseScaleTracker)."""
+    gns_smoothing: float = 0.999
+    """Smoothing of the noise-scale average per step of ``init_batch`` samples (a step of B
+    samples counts as B / init_batch of them, AdaptDL's 0.999^(B/B0);
+    :class:`~cannikin.gns.NoiseScaleTracker`). A per-step 0.9 (a ~10-step window) let the
+    smoothed |G|^2 fall to <= 0 in 10-16% of steps when the noise scale is far above B;
+    the noise scale was then capped at 1e12 and the batch sent to its maximum, half the
+    true goodput (``tests/test_planner_adaptive.py``)."""
+    gns_sigmas: float = 2.0
+    """The batch is chosen by a cautious noise scale: tr(Sigma) over |G|^2 plus this many of
+    its standard errors (:attr:`~cannikin.gns.NoiseScaleTracker.grad_sqr_error`), so it
+    grows as the evidence does. Early in a run far above B a |G|^2 estimated at 0.19
+    (true 1) sent the batch to its maximum."""
     probe_error: float | None = 0.15
     """Once a plan holds, a worker whose measurements pin its time per sample down only to
     worse than this relative standard error (:meth:`NodeFitter.slope_error`) is planned a
@@ -271,6 +284,14 @@ class PlannerConfig:
         if self.warmup_steps < 1 or self.skip_steps < 0 or self.skip_steps >= self.warmup_steps:
             raise ValueError(f"need 0 <= skip_steps ({self.skip_steps}) < warmup_steps "
                              f"({self.warmup_steps})")
+        if self.split == "even" and self.max_batch is not None:
+            raise ValueError("split='even' is the DDP baseline, with a fixed total batch: "
+                             "for a goodput-chosen batch on the even split (AdaptDL's "
+                             "policy) use split='adaptdl'")
+        if self.split == "adaptdl" and self.max_batch is None:
+            raise ValueError("split='adaptdl' chooses the total batch by goodput: set a "
+                             "max_batch_size (loader.autoscale_batch_size), or use "
+                             "split='even' for a fixed one")
         if self.max_batch is not None and self.max_batch < self.init_batch:
             raise ValueError(f"max_batch_size {self.max_batch} is below batch_size "
                              f"{self.init_batch}")
@@ -391,7 +412,11 @@ class Planner:
         self.fitters = [NodeFitter() for _ in range(cfg.world_size)]
         self.comm_fitter = CommFitter()
         self.tracker = PredictionTracker()
-        self.noise = NoiseScaleTracker(smoothing=cfg.gns_smoothing)
+        self.noise = NoiseScaleTracker(smoothing=cfg.gns_smoothing, init_batch=cfg.init_batch)
+        if cfg.max_batch is not None and cfg.world_size < 2:
+            logger.warning("one worker: the total batch stays %d, since the noise scale needs "
+                           "two gradient groups (two workers) to be estimated",
+                           cfg.init_batch)
         self.current = self._record(0, "start", self._even(cfg.init_batch), None)
         self._interval = cfg.replan_every
         self._next_replan = cfg.warmup_steps - 1
@@ -545,9 +570,17 @@ class Planner:
             record = self._record(step, reason, self._even(total), None, noise=noise)
         else:
             self.cluster_model = cluster
-            if cfg.max_batch is not None and noise is not None and cfg.world_size >= 2:
-                choice = choose_batch_size(cluster, noise, cfg.init_batch, cfg.max_batch,
-                                           current=total)
+            explore = cfg.split == "adaptdl" and cfg.max_batch is not None and any(
+                len(f.batch_sizes()) < 2 for f in self.fitters)
+            if explore and cfg.max_batch is not None and total < cfg.max_batch:
+                # every worker measured at one batch size: the fit is proportional, without
+                # a fixed cost, and the even split's goodput would never favour a larger B
+                total = min(2 * total, cfg.max_batch)
+                reason = f"explore total batch {total}"
+            elif cfg.max_batch is not None and cfg.world_size >= 2 and (
+                    cautious := self._cautious_noise_scale()) is not None:
+                choose = choose_even_batch_size if cfg.split == "adaptdl" else choose_batch_size
+                choice = choose(cluster, cautious, cfg.init_batch, cfg.max_batch, current=total)
                 total = choice.total_batch
                 plan = choice.plan
             elif cfg.split == "optimal":
@@ -560,7 +593,7 @@ class Planner:
                         tried = self._probe(step, cluster, plan)
                     if tried is not None:
                         reason, plan = tried
-            if cfg.split == "even":
+            if cfg.split in ("even", "adaptdl"):
                 even = self._even(total)
                 plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
             record = self._record(step, reason, plan.local_batches,
@@ -593,6 +626,21 @@ class Planner:
         if self.log_plans:
             self._log(record, cluster, changed)
         return record
+
+    def _cautious_noise_scale(self) -> float | None:
+        """The noise scale the batch is chosen by: tr(Sigma) over |G|^2 raised by
+        ``gns_sigmas`` of its standard errors, a low estimate that grows as the evidence
+        does; None (the batch stays) before an estimate, with |G|^2 <= 0 or capped, where
+        the gradient is not told from the noise yet."""
+        raw, var = self.noise.raw_grad_sqr, self.noise.grad_var
+        noise = self.noise.noise_scale()
+        if raw is None or var is None or noise is None or not raw > 0 or (
+                noise >= MAX_NOISE_SCALE):
+            return None
+        error = self.noise.grad_sqr_error
+        if not math.isfinite(error):
+            return None
+        return var / (raw + self.config.gns_sigmas * error)
 
     def _log(self, record: PlanRecord, cluster: ClusterModel | None, changed: bool) -> None:
         """One INFO line for a new split or total batch (a re-plan that keeps both is DEBUG),
