@@ -686,7 +686,8 @@ class HeteroDataParallel(nn.Module):
 
     def remove_hooks(self) -> None:
         """Detach from the optimizer and remove the emulation (the model stays wrapped)."""
-        for handle in self.attached.hooks if self._parts is not None else []:
-            handle.remove()
+        if self._parts is not None:
+            for handle in self._parts.hooks:
+                handle.remove()
         if self._emulation is not None:
             self._emulation.remove()

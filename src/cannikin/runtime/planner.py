@@ -396,13 +396,14 @@ class Planner:
     """The split a probe interrupted and the re-plan interval it had reached."""
     _measured: deque[tuple[tuple[int, ...], float]] = field(
         default_factory=lambda: deque(maxlen=64), init=False)
-    """The last measured steps: (split, step seconds, median over ranks)."""
+    """The last measured steps: (split, step seconds as the median over ranks)."""
     _trial: tuple[int, tuple[int, ...], tuple[int, ...]] | None = field(default=None,
                                                                         init=False)
     """The trial in force: (rank tried at 0, the trial's split, the split before it)."""
     _idle_until: dict[int, int] = field(default_factory=dict, init=False)
     """Workers kept at 0 samples by a trial, and the step until which they stay there."""
     _last_trial: dict[int, int] = field(default_factory=dict, init=False)
+    """The step of each worker's latest trial."""
     _remember: tuple[bool, bool] = field(default=(False, False), init=False)
     """Whether the previous and the current step's split was chosen regardless of the
     measurements (the warm-up's even split, a probe): their timings are remembered."""
@@ -570,9 +571,9 @@ class Planner:
             record = self._record(step, reason, self._even(total), None, noise=noise)
         else:
             self.cluster_model = cluster
-            explore = cfg.split == "adaptdl" and cfg.max_batch is not None and any(
-                len(f.batch_sizes()) < 2 for f in self.fitters)
-            if explore and cfg.max_batch is not None and total < cfg.max_batch:
+            if cfg.split == "adaptdl" and cfg.max_batch is not None and (
+                    total < cfg.max_batch and any(len(f.batch_sizes()) < 2
+                                                  for f in self.fitters)):
                 # every worker measured at one batch size: the fit is proportional, without
                 # a fixed cost, and the even split's goodput would never favour a larger B
                 total = min(2 * total, cfg.max_batch)
@@ -921,7 +922,7 @@ class Planner:
             self.cluster_model = self._bounded(ClusterModel(nodes=nodes, comm=cached_comm),
                                                min_local=self.config.min_local)
             plan = self._with_zeros(self.cluster_model, optimal_split(self.cluster_model, total))
-            if self.config.split == "even":
+            if self.config.split in ("even", "adaptdl"):
                 plan = Plan(local_batches=self._even(total),
                             step_time=self.cluster_model.step_time(list(self._even(total))))
             self.current = self._record(0, "resume with cached models", plan.local_batches,
