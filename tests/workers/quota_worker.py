@@ -1,7 +1,13 @@
-"""A quota worker for test_quota: join this rank's CPU-quota group, run a few plain DDP steps,
-then time the same local compute on every rank (forward and backward of a model of its own,
-no collective), and print (rank 0) each rank's share, group and compute time as one JSON
-line.
+"""A quota worker for test_quota: join this rank's CPU-quota group, run a few training steps
+(HeteroDataParallel, even split), then time the same local compute on every rank (forward
+and backward of a model of its own, no collective), and print (rank 0) each rank's share,
+group and compute time as one JSON line.
+
+Not plain DDP: on torch 2.13 its built-in hook's all-reduces, launched inside the backward,
+carry the backward's Python context in their work, and a throttled gloo thread that drops it
+after the interpreter began finalising aborts the process (``terminate called without an
+active exception``; once in 8 suite runs beside a CPU hog, on the 25% rank). Cannikin's hook
+launches them without it (docs/runtime.md, "Exit").
 
 The timed compute is ~100 ms at a whole core, many CFS periods: a burst shorter than the
 quota (a 2-5 ms forward after an all-reduce wait, which refills the quota) runs at full speed
@@ -18,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import TensorDataset
 
+from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 from cannikin.runtime.quota import join_from_env
 
 STEPS = 5
@@ -39,16 +46,19 @@ def main() -> None:
     share = join_from_env(rank)  # after the imports: start-up is not what is measured
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    world = dist.get_world_size()
     net = _mlp()
-    model = DistributedDataParallel(net)
+    x, y = torch.randn(BATCH * world * STEPS, 64), torch.randint(0, 10, (BATCH * world * STEPS,))
+    loader = HeteroDataLoader(TensorDataset(x, y), batch_size=BATCH * world)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    x, y = torch.randn(BATCH, 64), torch.randint(0, 10, (BATCH,))
-    for _ in range(STEPS):
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None)
+    for xb, yb in loader:
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(model(xb), yb).backward()
         opt.step()
+    model.remove_hooks()
     local = _mlp()  # DDP's hooks sit on net's parameters: time a model of this rank's own
-    x2, y2 = torch.cat([x, x]), torch.cat([y, y])
+    x2, y2 = torch.cat([x[:BATCH], x[:BATCH]]), torch.cat([y[:BATCH], y[:BATCH]])
     dist.barrier()
     start = time.perf_counter()
     for _ in range(TIMED):
