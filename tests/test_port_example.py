@@ -44,4 +44,5 @@ def test_the_port_is_a_small_diff() -> None:
                  for name in ("ddp", "cannikin"))
     changed = [line for line in difflib.unified_diff(ddp, port, lineterm="", n=0)
                if line[:1] in "+-" and not line.startswith(("+++", "---")) and line.strip("+-")]
-    assert len(changed) <= 12, "\n".join(changed)
+    # 12, and the 3 lines of the DDP twin's wait for torch 2.13's exit race, which the port drops
+    assert len(changed) <= 15, "\n".join(changed)

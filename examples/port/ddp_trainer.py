@@ -9,6 +9,7 @@ to Cannikin: ``diff -u ddp_trainer.py cannikin_trainer.py`` is the whole port.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -95,6 +96,8 @@ def main() -> None:
     train, test = datasets()
     Trainer(net, train, test, args.batch_size, args.snapshot).train(args.epochs)
     dist.destroy_process_group()
+    # torch 2.13: DDP's gloo work keeps the backward's Python context; dropped at exit, it aborts
+    time.sleep(0.5)  # let the gloo threads drop it first (an abort unlikely, not impossible)
 
 
 if __name__ == "__main__":

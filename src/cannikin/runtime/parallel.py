@@ -222,7 +222,9 @@ class HeteroDataParallel(nn.Module):
             ddp_kwargs.setdefault("device_ids", [self.device])
         self.ddp = DistributedDataParallel(module, **ddp_kwargs)
         self.clock: Clock = clock_for(self.device)
-        self.comm = CommState(clock=self.clock, weight=1.0 / self.world_size)
+        # no norms until a step of the loader asks for them (before attach: plain DDP)
+        self.comm = CommState(clock=self.clock, weight=1.0 / self.world_size,
+                              capture_sqnorm=False)
         self.ddp.register_comm_hook(self.comm, weighted_allreduce_hook)
         self._cycle = _Cycle()
         self._parts: _Attached | None = None
