@@ -3,7 +3,8 @@
 Three gloo workers in cgroups limited to 1, 0.5 and 0.25 of a core (10 ms CFS period, see
 ``cannikin.runtime.quota``) train an MLP 64-1024-1024-10 on scikit-learn's digits with a
 total batch B = 480. In one run, in interleaved blocks of steps (every round visits every
-configuration, in a rotated order, so the load of a shared machine hits all alike):
+configuration, in a rotated order, so the load of a shared machine hits all alike; each block
+starts with one untimed step of its own, so that none is timed on the previous one's caches):
 
 * plain torch DDP at the even split;
 * Cannikin (HeteroDataParallel, split "optimal"), after a warm-up in which it learns the
@@ -140,7 +141,14 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             if split is None:
                 with torch.no_grad():  # marks the other blocks as a pause between steps:
                     hdp(x_all[:1])     # HDP does not measure the next step (docs/runtime.md)
-                predicted.clear()
+            # one untimed step of the block's own configuration: the first step after another
+            # configuration runs on caches that its model filled (Cannikin's model was cold
+            # after every DDP block, while the DDP configurations share one model)
+            if split is None:
+                hdp_step()
+            else:
+                ddp_step(split)
+            predicted.clear()
             dist.barrier()
             start = time.perf_counter()
             for _ in range(block_steps):
