@@ -53,6 +53,13 @@ def _check_noise_scale(noise_scale: float | None) -> float:
     return phi
 
 
+def _check_batch_range(init_batch: int, max_batch: int) -> None:
+    if not _is_int(init_batch) or init_batch < 1:
+        raise ValueError(f"init_batch={init_batch!r} must be an integer >= 1")
+    if not _is_int(max_batch) or max_batch < init_batch:
+        raise ValueError(f"max_batch={max_batch!r} must be an integer >= init_batch={init_batch}")
+
+
 def _efficiency(total: FloatArray, init_batch: float, phi: float) -> FloatArray:
     if math.isinf(phi):
         return np.ones_like(total)
@@ -170,10 +177,7 @@ def choose_batch_size(
     so noise in the estimates does not make the batch size flap.
     """
     phi = _check_noise_scale(noise_scale)
-    if not _is_int(init_batch) or init_batch < 1:
-        raise ValueError(f"init_batch={init_batch!r} must be an integer >= 1")
-    if not _is_int(max_batch) or max_batch < init_batch:
-        raise ValueError(f"max_batch={max_batch!r} must be an integer >= init_batch={init_batch}")
+    _check_batch_range(init_batch, max_batch)
     if current is not None and not _is_int(current):
         raise ValueError(f"current={current!r} must be None or an integer total batch")
     if not float(min_gain) >= 0:
@@ -234,10 +238,7 @@ def choose_even_batch_size(
     total is evaluated: O(n (max_batch - init_batch)) time and memory.
     """
     phi = _check_noise_scale(noise_scale)
-    if not _is_int(init_batch) or init_batch < 1:
-        raise ValueError(f"init_batch={init_batch!r} must be an integer >= 1")
-    if not _is_int(max_batch) or max_batch < init_batch:
-        raise ValueError(f"max_batch={max_batch!r} must be an integer >= init_batch={init_batch}")
+    _check_batch_range(init_batch, max_batch)
     n = cluster.size
     caps = [nd.max_batch for nd in cluster.nodes]
     room = sum(c for c in caps if c is not None) if None not in caps else max_batch

@@ -384,6 +384,21 @@ def check_eval_between_steps() -> dict[str, Any]:
             "step_time_s": [r["step_time_s"] for r in sink.rows], "fitted_fwd": fitted}
 
 
+def _noise_updates(model: HeteroDataParallel, opt: torch.optim.Optimizer,
+                   loader: HeteroDataLoader, steps: int) -> list[int]:
+    """The noise scale's count of updates after each of ``steps`` training steps."""
+    updates = []
+    for step, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        updates.append(model.planner.noise.num_updates)
+        if step + 1 == steps:
+            break
+    model.remove_hooks()
+    return updates
+
+
 def check_adam_noise_reset() -> dict[str, Any]:
     """Adam preconditions after 5 steps: the noise scale's count of updates after each step
     (it sees each step's norms one step late) starts over when the space changes. AdamScale
@@ -393,15 +408,7 @@ def check_adam_noise_reset() -> dict[str, Any]:
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     loader = HeteroDataLoader(data, batch_size=48, seed=5)
     model = HeteroDataParallel(net, opt, loader, split="even", lr_scaling="adamscale")
-    updates = []
-    for step, (x, y, _) in enumerate(loader):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        updates.append(model.planner.noise.num_updates)
-        if step == 9:
-            break
-    model.remove_hooks()
+    updates = _noise_updates(model, opt, loader, steps=10)
     return {"updates": updates, "noise_scale": model.noise_scale}
 
 
@@ -413,16 +420,7 @@ def check_noise_stride() -> dict[str, Any]:
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     loader = HeteroDataLoader(data, batch_size=30, seed=5)
     model = HeteroDataParallel(net, opt, loader, split="even")
-    updates = []
-    for step, (x, y, _) in enumerate(loader):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        updates.append(model.planner.noise.num_updates)
-        if step == 17:
-            break
-    model.remove_hooks()
-    return {"updates": updates, "stride": NORM_STRIDE}
+    return {"updates": _noise_updates(model, opt, loader, steps=18), "stride": NORM_STRIDE}
 
 
 class OomOnRank1(nn.Module):
