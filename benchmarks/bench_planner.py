@@ -5,7 +5,9 @@
 Cost: ``optimal_split`` per call at n = 16, 256, 1024 workers (2 buckets), with the
 cluster's arrays cached (the planner re-splitting one model) and from a fresh
 ``ClusterModel`` (a new model after a re-fit); ``choose_batch_size`` per call at n = 16
-and 1024; time and peak memory of the straggler clusters of issue 17 at n = 1024. Quality
+and 1024; time and peak memory of the straggler clusters of issue 17 at n = 1024; a full
+re-plan at n = 1024 (every worker refitted at once by ``perf.fit_nodes``, then
+``choose_batch_size``). Quality
 over random clusters: the integer split's step time against the LP
 lower bound of §2 (solved independently by scipy's HiGHS) and against the even and
 throughput-proportional splits. Timings on a shared machine are noisy: the best of
@@ -30,7 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the re
 
 from cannikin.goodput import choose_batch_size  # noqa: E402
 from cannikin.optperf import even_split, optimal_split, proportional_split  # noqa: E402
-from cannikin.perf import ClusterModel, CommModel, NodeFitter, NodeModel  # noqa: E402
+from cannikin.perf import (  # noqa: E402
+    ClusterModel,
+    CommModel,
+    NodeFitter,
+    NodeModel,
+    fit_nodes,
+)
 from references import lp_bound  # noqa: E402
 
 # Relative per-sample speed and memory (max local batch) of a few GPU kinds, roughly
@@ -143,11 +151,12 @@ def bench_replan(rng: np.random.Generator) -> None:
     n = 1024
     fitters, step = filled_fitters(rng, n)
     comm = CommModel(buckets=[(0.5, 0.01), (1.0, 0.01)])
+    names = [f"w{i}" for i in range(n)]
 
     def refit() -> list[NodeModel | None]:
         step()  # untimed in the figures below: each worker's new sample
         start = time.perf_counter()
-        nodes = [f.fit(name=f"w{i}") for i, f in enumerate(fitters)]
+        nodes = fit_nodes(fitters, names, [1] * n, [None] * n)
         refit_s.append(time.perf_counter() - start)
         return nodes
 

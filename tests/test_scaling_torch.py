@@ -61,3 +61,30 @@ def test_works_from_optimizer_step_hooks() -> None:
     assert seen[-1] == pytest.approx((10 + 1) / (2.5 + 1))
     assert scaler.steps == 3 and scaler.progress == pytest.approx(3 * seen[-1])
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.9**3)
+
+
+def test_a_schedule_indexed_by_progress() -> None:
+    # the docs' pattern (docs/runtime.md, "The learning rate as B grows"): a LambdaLR that
+    # reads the scaler's progress steps the schedule in B0-steps of statistical progress
+    param, opt = make_sgd(lr=1.0)
+    scaler = LRScaler(opt, "adascale", init_batch=8)
+
+    def schedule(progress: float) -> float:
+        return 0.1 if progress >= 10 else 1.0
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: schedule(scaler.progress))
+    grad = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    steps_at_full_rate = 0
+    for _ in range(12):
+        progress = scaler.progress
+        before = param.detach().clone()
+        param.grad = grad.clone()
+        factor = scaler.step_begin(64, grad_sqr=1.0, grad_var=64.0)  # gain (8+1)/(1+1) = 4.5
+        opt.step()
+        scaler.step_end()
+        sched.step()
+        assert factor == pytest.approx(4.5)
+        assert torch.allclose(before - param.detach(), schedule(progress) * factor * grad)
+        steps_at_full_rate += progress < 10
+    assert scaler.progress == pytest.approx(12 * 4.5)
+    assert steps_at_full_rate == 3  # progress 0, 4.5, 9: 3 steps of 64 samples, not 10

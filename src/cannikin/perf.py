@@ -27,13 +27,18 @@ from functools import cached_property
 import numpy as np
 import numpy.typing as npt
 
+from cannikin.rowfit import (
+    BoolArray,
+    change_points,
+    has_two_values,
+    masked_median,
+    robust_lines,
+    robust_spread,
+)
+
 logger = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
-
-# Relative tolerance added to the robust scale so exact (noise-free) samples are inliers.
-_SCALE_FLOOR = 1e-9
-
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
@@ -381,92 +386,17 @@ def expected_max(means: npt.ArrayLike, sds: npt.ArrayLike) -> float:
     return lo + float(np.dot(weights, 1.0 - below)) * (hi - lo) / (3 * (points - 1))
 
 
-def _robust_line(cfg: FitConfig, b: FloatArray, y: FloatArray,
-                 anchor_b: FloatArray | None = None, anchor_y: FloatArray | None = None,
-                 anchor_weight: FloatArray | None = None) -> tuple[float, float]:
-    """Fit ``y = intercept + slope*b`` robustly; ``b`` and ``anchor_b`` together must hold
-    >= 2 distinct values.
-
-    Theil-Sen (median of pairwise slopes, 29% breakdown) gives a first line; residuals
-    beyond ``cfg.outlier_sigmas`` robust standard deviations are dropped; least squares on the
-    rest, its slope shrunk toward the proportional model (:func:`_shrunk_line`), gives the
-    final estimate. Slope and intercept are kept >= 0 (physical times), refitting through
-    the origin when the intercept would be negative. Anchors (``anchor_b``, ``anchor_y``:
-    medians at batch sizes the window no longer holds, see :class:`NodeFitter`; each
-    worth ``anchor_weight`` samples) join the least squares but not the outlier test:
-    they are robust already, and a first line from a narrow window would reject the far
-    ones that carry the slope.
-    """
-    i, j = np.triu_indices(b.size, k=1)
-    db = b[j] - b[i]
-    distinct = db != 0
-    # a window at one batch size has no slope of its own; its residuals are about its level
-    slope = float(np.median((y[j] - y[i])[distinct] / db[distinct])) if np.any(distinct) else 0.0
-    intercept = float(np.median(y - slope * b))
-    residual = y - (intercept + slope * b)
-    centre = np.median(residual)
-    scale = 1.4826 * float(np.median(np.abs(residual - centre)))
-    scale += _SCALE_FLOOR * float(np.median(np.abs(y))) + np.finfo(np.float64).tiny
-    inlier = np.abs(residual - centre) <= cfg.outlier_sigmas * scale
-    bi, yi = b[inlier], y[inlier]
-    wi = None
-    if anchor_b is not None and anchor_y is not None and anchor_b.size:
-        wi = np.concatenate([np.ones(bi.size), np.ones(anchor_b.size) if anchor_weight is None
-                             else anchor_weight])
-        bi, yi = np.concatenate([bi, anchor_b]), np.concatenate([yi, anchor_y])
-        b, y = np.concatenate([b, anchor_b]), np.concatenate([y, anchor_y])
-    positive = b > 0
-    proportional = float(np.median(y[positive] / b[positive]))
-    if np.unique(bi).size >= 2:
-        slope, intercept = _shrunk_line(bi, yi, proportional, cfg.slope_prior_sd, wi)
-    floor = cfg.min_slope_fraction * proportional
-    if intercept < 0:
-        slope, intercept = float(np.dot(bi, yi) / np.dot(bi, bi)), 0.0
-    if slope < floor:
-        slope = floor
-        intercept = max(0.0, float(np.median(yi - slope * bi)))
-    return intercept, slope
-
-
-def _shrunk_line(b: FloatArray, y: FloatArray, prior_slope: float, prior_sd: float,
-                 weights: FloatArray | None = None) -> tuple[float, float]:
-    """Least squares with a Gaussian prior N(prior_slope, (prior_sd*prior_slope)^2)
-    on the slope (the posterior mean, a ridge toward the prior); ``b`` holds >= 2 distinct
-    values. The prior's weight is the residual variance over the prior's, so exact
-    samples give the exact line and samples spread over a wide range of batches outweigh
-    it, while a narrow range under noise cannot fit a slope near 0. ``weights`` (per
-    point, in samples' worth; None: 1 each) let an anchor count as the measurements its
-    median stands for."""
-    if weights is None:
-        db, dy = b - b.mean(), y - y.mean()
-        sxx, sxy = float(db @ db), float(db @ dy)
-        residual = dy - (sxy / sxx) * db
-        noise_var = float(residual @ residual) / max(b.size - 2, 1)
-        b_mean, y_mean = float(b.mean()), float(y.mean())
-    else:
-        b_mean, y_mean = float(np.average(b, weights=weights)), float(
-            np.average(y, weights=weights))
-        db, dy = b - b_mean, y - y_mean
-        sxx, sxy = float((weights * db) @ db), float((weights * db) @ dy)
-        residual = dy - (sxy / sxx) * db
-        noise_var = float((weights * residual) @ residual) / max(float(weights.sum()) - 2, 1.0)
-    prior_var = (prior_sd * prior_slope) ** 2
-    weight = noise_var / prior_var if prior_var > 0 else 0.0
-    slope = (sxy + weight * prior_slope) / (sxx + weight)
-    return slope, y_mean - slope * b_mean
-
-
 @dataclass
 class NodeFitter:
     """Learns one worker's :class:`NodeModel` from per-step samples, online.
 
     Keeps the last ``window`` accepted samples and fits them robustly (stragglers are
-    rejected as outliers). When a worker's speed changes, a change-point test on
-    measured/predicted time finds the shift and the older samples are dropped: a 2x
-    slowdown with 10% timing noise is followed to within 10% for good after 4-35 new
-    samples (median 10 over 20 seeds, window 64; the window alone would need 46-63;
-    ``tests/test_perf.py`` checks <= 36). Shifts under ``drift_min_change`` are absorbed
-    as the window rolls over.
+    rejected as outliers, :func:`cannikin.rowfit.robust_lines`). When a worker's speed
+    changes, a change-point test on measured/predicted time finds the shift and the older
+    samples are dropped: a 2x slowdown with 10% timing noise is followed to within 10% for
+    good after 3-35 new samples (median 10 over 20 seeds, window 64; the window alone
+    would need 46-63; ``tests/test_perf.py`` checks <= 36). Shifts under
+    ``drift_min_change`` are absorbed as the window rolls over.
 
     Once a plan holds, the window fills with one or two batch sizes and forgets the
     warm-up's even split; a slope fitted to 1-2 samples under noise was 5-20x the truth on
@@ -479,6 +409,8 @@ class NodeFitter:
     Before two distinct batch sizes are known the model is proportional to the
     measurements (``F(b) = F(b*) * b / b*``) or, once a two-size fit exists, that fit's
     shape rescaled to pass through the current measurements.
+
+    A re-plan fits every worker at once with :func:`fit_nodes`; :meth:`fit` is that for one.
     """
 
     window: int = 64
@@ -494,10 +426,13 @@ class NodeFitter:
     """Window samples needed to estimate the worker's timing noise (fewer: taken as exact)."""
     config: FitConfig = field(default_factory=FitConfig)
     """How each line is fitted and a change of speed told."""
-    _samples: deque[tuple[float, float, float]] = field(init=False, repr=False)
+    _ring: FloatArray = field(init=False, repr=False)
+    """The window's samples (batch, fwd, bwd), a ring: a re-plan stacks every worker's."""
+    _start: int = field(default=0, init=False, repr=False)  # the oldest sample's row
+    _count: int = field(default=0, init=False, repr=False)
     _levels: OrderedDict[float, deque[tuple[float, float]]] = field(init=False, repr=False)
-    _medians: dict[float, tuple[float, float]] = field(default_factory=dict, init=False,
-                                                       repr=False)  # per level, until it changes
+    _anchor_rows: FloatArray | None = field(default=None, init=False, repr=False)
+    """Every remembered batch size's anchor row, until a measurement is remembered."""
     _shape: tuple[float, float, float, float] | None = field(default=None, init=False, repr=False)
     _fitted: tuple[tuple[str, int, int | None], NodeModel | None] | None = field(
         default=None, init=False, repr=False)
@@ -514,18 +449,22 @@ class NodeFitter:
         if self.anchor_min_samples > self.level_samples:
             raise ValueError(f"anchor_min_samples={self.anchor_min_samples} exceeds "
                              f"level_samples={self.level_samples}")
-        self._samples = deque(maxlen=self.window)
+        self._ring = np.zeros((self.window, 3))
         self._levels = OrderedDict()
 
     @property
     def num_samples(self) -> int:
         """Accepted samples currently in the window."""
-        return len(self._samples)
+        return self._count
+
+    def samples(self) -> FloatArray:
+        """The window's samples, oldest first: rows (batch, fwd, bwd)."""
+        return self._ring[(self._start + np.arange(self._count)) % self.window]
 
     def batch_sizes(self) -> list[float]:
         """The distinct batch sizes the next fit rests on (the window's and the anchors')."""
-        held = {row[0] for row in self._samples}
-        return sorted(held | {float(a) for a in self._anchors(held)[:, 0]})
+        held = set(self.samples()[:, 0].tolist())
+        return sorted(held | set(self._anchors(held)[:, 0].tolist()))
 
     def level_count(self, batch: float) -> int:
         """Measurements remembered at ``batch`` (at most ``level_samples``)."""
@@ -543,9 +482,9 @@ class NodeFitter:
         (``(r * time)^2`` over its samples' worth, r the robust relative noise of the
         window's residuals): a far batch size measured a few times is worth less than
         its count says when its times are longer."""
-        if not self._samples:
+        if not self._count:
             return math.inf
-        data = np.array(self._samples, dtype=np.float64)
+        data = self.samples()
         anchors = self._anchors(set(data[:, 0].tolist()))
         b = np.concatenate([data[:, 0], anchors[:, 0]])
         y = np.concatenate([data[:, 1] + data[:, 2], anchors[:, 1] + anchors[:, 2]])
@@ -580,7 +519,11 @@ class NodeFitter:
                 "and >= 0", batch, fwd_s, bwd_s,
             )
             return False
-        self._samples.append(values)
+        self._ring[(self._start + self._count) % self.window] = values
+        if self._count < self.window:
+            self._count += 1
+        else:
+            self._start = (self._start + 1) % self.window
         self._fitted = None
         if remember:
             self._remember(values)
@@ -594,7 +537,7 @@ class NodeFitter:
                 self._forget_a_level(keep=values[0])
         self._levels.move_to_end(values[0])
         level.append(values[1:])
-        self._medians.pop(values[0], None)
+        self._anchor_rows = None
 
     def _forget_a_level(self, keep: float) -> None:
         """Drop the remembered batch size that adds the least spread: the one nearest its
@@ -606,28 +549,35 @@ class NodeFitter:
                for lower, b, upper in zip(sizes, sizes[1:], sizes[2:], strict=False)}
         gap.pop(keep, None)
         if not gap:
-            gone = next(b for b in self._levels if b != keep)
-            del self._levels[gone]
-            self._medians.pop(gone, None)
+            del self._levels[next(b for b in self._levels if b != keep)]
             return
         nearest = min(gap.values())
-        gone = next(b for b in self._levels if gap.get(b) == nearest)
-        del self._levels[gone]
-        self._medians.pop(gone, None)
+        del self._levels[next(b for b in self._levels if gap.get(b) == nearest)]
+
+    def _forget_oldest(self, count: int) -> None:
+        """Drop the window's ``count`` oldest samples and every anchor (a change of speed)."""
+        self._start = (self._start + count) % self.window
+        self._count -= count
+        self._levels.clear()
+        self._anchor_rows = None
+
+    def anchor_rows(self) -> FloatArray:
+        """Rows (batch, median fwd, median bwd, weight) of every remembered batch size with
+        at least ``anchor_min_samples`` measurements; a median of k normal samples is worth
+        2k/pi of them (its variance)."""
+        if self._anchor_rows is None:
+            rows = [(b, statistics.median(f for f, _ in level),
+                     statistics.median(k for _, k in level), 2 * len(level) / math.pi)
+                    for b, level in self._levels.items() if len(level) >= self.anchor_min_samples]
+            self._anchor_rows = np.array(rows, dtype=np.float64).reshape(-1, 4)
+        return self._anchor_rows
 
     def _anchors(self, held: set[float]) -> FloatArray:
-        """Rows (batch, median fwd, median bwd, weight) of the remembered batch sizes not in
-        ``held``; a median of k normal samples is worth 2k/pi of them (its variance)."""
-        rows = []
-        for b, level in self._levels.items():
-            if b in held or len(level) < self.anchor_min_samples:
-                continue
-            median = self._medians.get(b)
-            if median is None:
-                fwd, bwd = zip(*level, strict=True)
-                median = self._medians[b] = (statistics.median(fwd), statistics.median(bwd))
-            rows.append((b, *median, 2 * len(level) / math.pi))
-        return np.array(rows, dtype=np.float64).reshape(-1, 4)
+        """The anchor rows of the remembered batch sizes not in ``held``."""
+        rows = self.anchor_rows()
+        kept: FloatArray = rows[np.array([b not in held for b in rows[:, 0].tolist()],
+                                         dtype=bool)]
+        return kept
 
     def fit(self, name: str = "", min_batch: int = 1, max_batch: int | None = None) -> (
         NodeModel | None
@@ -638,110 +588,143 @@ class NodeFitter:
         it (and the anchors) are forgotten first (the only state ``fit`` changes). Without
         a new sample since a fit that forgot nothing, that fit's model is returned as it is.
         """
-        key = (name, min_batch, max_batch)
-        if self._fitted is not None and self._fitted[0] == key:
-            return self._fitted[1]
-        return self._fit(name, min_batch, max_batch)
+        return fit_nodes([self], [name], [min_batch], [max_batch])[0]
 
-    def _fit(self, name: str, min_batch: int, max_batch: int | None) -> NodeModel | None:
-        if not self._samples:
-            return None
-        data = np.array(self._samples, dtype=np.float64)
-        anchors = self._anchors(set(data[:, 0].tolist()))
-        params = self._params(data, anchors)
-        if params is None:
-            return None
-        b, total = data[:, 0], data[:, 1] + data[:, 2]
-        f0, f1, k0, k1 = params
-        tiny = np.finfo(np.float64).tiny
-        predicted = np.maximum(f0 + k0 + (f1 + k1) * b, tiny)
-        log_ratio = np.log(np.maximum(total, tiny) / predicted)
-        start = _change_point(log_ratio, self.config)
-        if start:
+
+def fit_nodes(fitters: Sequence[NodeFitter], names: Sequence[str],
+              min_batches: Sequence[int], max_batches: Sequence[int | None]) -> (
+    list[NodeModel | None]
+):
+    """Every fitter's :meth:`NodeFitter.fit` with its name and batch bounds, the refits
+    done together (one numpy call per statistic over all workers with new samples)."""
+    keys = list(zip(names, min_batches, max_batches, strict=True))
+    if len(keys) != len(fitters):
+        raise ValueError(f"{len(fitters)} fitters but {len(keys)} names and bounds")
+    models: list[NodeModel | None] = [None] * len(fitters)
+    stale = []
+    for i, (fitter, key) in enumerate(zip(fitters, keys, strict=True)):
+        if fitter._fitted is not None and fitter._fitted[0] == key:
+            models[i] = fitter._fitted[1]
+        elif fitter.num_samples:
+            stale.append(i)
+    for rows in _alike(fitters, stale):
+        refits = _refit([fitters[i] for i in rows], [keys[i] for i in rows], detect=True)
+        for i, model in zip(rows, refits, strict=True):
+            models[i] = model
+    return models
+
+
+def _alike(fitters: Sequence[NodeFitter], rows: Sequence[int]) -> list[list[int]]:
+    """``rows`` grouped by the fitters' window length and settings: a group's windows
+    stack into one array."""
+    groups: dict[tuple[int, FitConfig, int], list[int]] = {}
+    for i in rows:
+        fitter = fitters[i]
+        groups.setdefault((fitter.window, fitter.config, fitter.noise_min_samples), []).append(i)
+    return list(groups.values())
+
+
+def _windows(fitters: Sequence[NodeFitter]) -> tuple[FloatArray, FloatArray, FloatArray,
+                                                     BoolArray]:
+    """The windows of fitters with one window length, oldest sample first: batch, forward
+    and backward times (0 past a window's count) and which are samples."""
+    width = fitters[0].window
+    start = np.array([f._start for f in fitters])
+    count = np.array([f._count for f in fitters])
+    order = (start[:, None] + np.arange(width)) % width
+    data = np.take_along_axis(np.stack([f._ring for f in fitters]), order[:, :, None], axis=1)
+    valid = np.arange(width)[None, :] < count[:, None]
+    b, fwd, bwd = (np.where(valid, data[:, :, column], 0.0) for column in range(3))
+    return b, fwd, bwd, valid
+
+
+def _log_ratio(lines: FloatArray, b: FloatArray, total: FloatArray) -> FloatArray:
+    """log(measured / predicted) of each window sample under rows ``(f0, f1, k0, k1)``."""
+    tiny = np.finfo(np.float64).tiny
+    predicted = lines[:, 0:1] + lines[:, 2:3] + (lines[:, 1:2] + lines[:, 3:4]) * b
+    ratio: FloatArray = np.log(np.maximum(total, tiny) / np.maximum(predicted, tiny))
+    return ratio
+
+
+def _refit(fitters: Sequence[NodeFitter], keys: Sequence[tuple[str, int, int | None]],
+           detect: bool) -> list[NodeModel | None]:
+    """The models of fitters that share a window length and a config. ``detect``: look for
+    a change of speed (and if one is found forget the older samples and fit again)."""
+    first = fitters[0]
+    b, fwd, bwd, valid = _windows(fitters)
+    anchors, anchored = _stacked_anchors(fitters, b, valid)
+    params = _params(fitters, b, fwd, bwd, valid, anchors, anchored)
+    log_ratio = _log_ratio(params, b, fwd + bwd)
+    spread = robust_spread(log_ratio, valid)
+    shift = change_points(log_ratio, valid, first.config, spread) if detect else (
+        np.zeros(len(fitters), dtype=np.intp))
+    shaped = has_two_values(np.concatenate([b, anchors[:, :, 0]], axis=1),
+                            np.concatenate([valid, anchored], axis=1))
+    noise = np.where(valid.sum(axis=1) >= first.noise_min_samples, spread[1], 0.0)
+    models: list[NodeModel | None] = []
+    for fitter, key, forget, line, two_sizes, sd in zip(
+            fitters, keys, shift.tolist(), params.tolist(), shaped.tolist(), noise.tolist(),
+            strict=True):
+        if forget:
             logger.info("node %r: speed changed %d samples ago; forgetting %d older samples",
-                        name, len(self._samples) - start, start)
-            for _ in range(start):
-                self._samples.popleft()
-            self._levels.clear()
-            self._medians.clear()
-            data = data[start:]
-            anchors = anchors[:0]
-            params = self._params(data, anchors)
-            if params is None:
-                return None
-            f0, f1, k0, k1 = params
-            b, total = data[:, 0], data[:, 1] + data[:, 2]
-            predicted = np.maximum(f0 + k0 + (f1 + k1) * b, tiny)
-            log_ratio = np.log(np.maximum(total, tiny) / predicted)
-        if np.unique(np.concatenate([data[:, 0], anchors[:, 0]])).size >= 2:
-            self._shape = params
-        model = NodeModel(fwd=(f0, f1), bwd=(k0, k1), min_batch=min_batch,
-                          max_batch=max_batch, name=name,
-                          noise=_relative_noise(log_ratio, self.noise_min_samples))
-        if not start:  # a fit that forgot nothing gives the same model until a sample arrives
-            self._fitted = ((name, min_batch, max_batch), model)
-        return model
-
-    def _params(self, data: FloatArray, anchors: FloatArray) -> (
-        tuple[float, float, float, float] | None
-    ):
-        """``(f0, f1, k0, k1)`` from the window's samples ``data`` (rows: batch, fwd, bwd)
-        and the ``anchors`` (rows: batch, fwd, bwd, weight), or None without a non-zero batch."""
-        b, fwd, bwd = data.T
-        if anchors.size:
-            ab, af, ak, aw = anchors.T
-            return (*_robust_line(self.config, b, fwd, ab, af, aw),
-                    *_robust_line(self.config, b, bwd, ab, ak, aw))
-        if np.unique(b).size >= 2:
-            return (*_robust_line(self.config, b, fwd), *_robust_line(self.config, b, bwd))
-        at = float(b[0])
-        fwd_level, bwd_level = float(np.median(fwd)), float(np.median(bwd))
-        if self._shape is not None:
-            f0, f1, k0, k1 = self._shape
-            fs = _rescale(fwd_level, f0 + f1 * at)
-            ks = _rescale(bwd_level, k0 + k1 * at)
-            return f0 * fs, f1 * fs, k0 * ks, k1 * ks
-        if at > 0:
-            return 0.0, fwd_level / at, 0.0, bwd_level / at
-        return None
+                        key[0], fitter.num_samples - forget, forget)
+            fitter._forget_oldest(forget)
+            models.append(_refit([fitter], [key], detect=False)[0])
+            continue
+        model = None
+        if not math.isnan(line[0]):
+            if two_sizes:
+                fitter._shape = tuple(line)
+            model = NodeModel(fwd=(line[0], line[1]), bwd=(line[2], line[3]), name=key[0],
+                              min_batch=key[1], max_batch=key[2], noise=sd)
+        if detect:  # a fit that forgot nothing gives the same model until a sample arrives
+            fitter._fitted = (key, model)
+        models.append(model)
+    return models
 
 
-def _relative_noise(log_ratio: FloatArray, min_samples: int) -> float:
-    """Robust SD (1.4826 MAD) of log(measured / predicted): the relative step-to-step noise
-    of a worker's compute, stragglers aside; 0 with fewer than ``min_samples``."""
-    if log_ratio.size < min_samples:
-        return 0.0
-    return float(1.4826 * np.median(np.abs(log_ratio - np.median(log_ratio))))
+def _stacked_anchors(fitters: Sequence[NodeFitter], b: FloatArray, valid: BoolArray) -> (
+    tuple[FloatArray, BoolArray]
+):
+    """Every fitter's anchor rows, padded to one width, and which of them join its fit:
+    those at a batch size its window does not hold."""
+    rows = [f.anchor_rows() for f in fitters]
+    anchors = np.zeros((len(rows), max(len(r) for r in rows), 4))
+    present = np.zeros(anchors.shape[:2], dtype=bool)
+    for row, candidates in enumerate(rows):
+        anchors[row, : len(candidates)] = candidates
+        present[row, : len(candidates)] = True
+    held = ((anchors[:, :, None, 0] == b[:, None, :]) & valid[:, None, :]).any(axis=2)
+    return anchors, present & ~held
 
 
-def _change_point(log_ratio: FloatArray, cfg: FitConfig) -> int:
-    """Where a lasting shift in measured/predicted time starts (0: none found).
-
-    Stragglers are first clipped to ``cfg.outlier_sigmas`` robust deviations (at least
-    ``cfg.drift_clip``); then, for every split with at least ``cfg.drift_min_segment``
-    samples on each side, the mean shift
-    is compared with its standard error (a two-sample z statistic, all splits at once).
-    A split counts if ``z > cfg.drift_sigmas`` and the shift exceeds ``cfg.drift_min_change``.
-    """
-    n = log_ratio.size
-    if n < 2 * cfg.drift_min_segment:
-        return 0
-    centre = float(np.median(log_ratio))
-    scale = 1.4826 * float(np.median(np.abs(log_ratio - centre)))
-    reach = max(cfg.outlier_sigmas * scale, cfg.drift_clip)
-    x = np.clip(log_ratio, centre - reach, centre + reach)
-    split = np.arange(cfg.drift_min_segment, n - cfg.drift_min_segment + 1)
-    s1 = np.cumsum(x)[split - 1]
-    s2 = np.cumsum(x * x)[split - 1]
-    before, after = split.astype(np.float64), (n - split).astype(np.float64)
-    mean_a, mean_b = s1 / before, (x.sum() - s1) / after
-    within = (s2 - before * mean_a**2) + ((x * x).sum() - s2 - after * mean_b**2)
-    sd = np.sqrt(np.maximum(within, 0.0) / (n - 2)) + _SCALE_FLOOR
-    shift = np.abs(mean_b - mean_a)
-    z = shift / (sd * np.sqrt(1.0 / before + 1.0 / after))
-    z = np.where(shift > math.log1p(cfg.drift_min_change), z, 0.0)
-    best = int(np.argmax(z))
-    return int(split[best]) if z[best] > cfg.drift_sigmas else 0
+def _params(fitters: Sequence[NodeFitter], b: FloatArray, fwd: FloatArray, bwd: FloatArray,
+            valid: BoolArray, anchors: FloatArray, anchored: BoolArray) -> FloatArray:
+    """Rows ``(f0, f1, k0, k1)``, NaN for a fitter without a non-zero batch: robust lines
+    where the window and the anchors hold two batch sizes, else a level's medians through
+    the last two-size fit's shape (or proportional to the batch)."""
+    cfg = fitters[0].config
+    params = np.full((len(fitters), 4), np.nan)
+    lines = np.flatnonzero(has_two_values(b, valid) | anchored.any(axis=1))
+    if lines.size:
+        intercept, slope = robust_lines(
+            cfg, b[lines], np.stack([fwd[lines], bwd[lines]]), valid[lines],
+            anchors[lines, :, 0], np.stack([anchors[lines, :, 1], anchors[lines, :, 2]]),
+            anchors[lines, :, 3], anchored[lines])
+        params[lines] = np.stack([intercept[0], slope[0], intercept[1], slope[1]], axis=1)
+    levels = np.setdiff1d(np.arange(len(fitters)), lines)
+    if levels.size:
+        fwd_level = masked_median(fwd[levels], valid[levels]).tolist()
+        bwd_level = masked_median(bwd[levels], valid[levels]).tolist()
+        for row, fwd_at, bwd_at in zip(levels.tolist(), fwd_level, bwd_level, strict=True):
+            at, shape = float(b[row, 0]), fitters[row]._shape
+            if shape is not None:
+                f0, f1, k0, k1 = shape
+                fs, ks = _rescale(fwd_at, f0 + f1 * at), _rescale(bwd_at, k0 + k1 * at)
+                params[row] = (f0 * fs, f1 * fs, k0 * ks, k1 * ks)
+            elif at > 0:
+                params[row] = (0.0, fwd_at / at, 0.0, bwd_at / at)
+    return params
 
 
 def _rescale(measured: float, predicted: float) -> float:

@@ -38,6 +38,7 @@ from cannikin.perf import (
     NodeFitter,
     NodeModel,
     PredictionTracker,
+    fit_nodes,
 )
 
 logger = logging.getLogger(__name__)
@@ -840,17 +841,17 @@ class Planner:
 
     def _fit(self) -> ClusterModel | None:
         cfg = self.config
+        bounds = [cfg.cap_of(i) for i in range(cfg.world_size)]
+        fitted = fit_nodes(self.fitters, cfg.names, [cfg.min_local] * cfg.world_size, bounds)
         nodes = []
-        for rank, fitter in enumerate(self.fitters):
-            name = cfg.names[rank]
-            model = fitter.fit(name=name)
-            if model is None:
-                model = self.cached.get(name)
+        for name, cap, model in zip(cfg.names, bounds, fitted, strict=True):
+            if model is None and name in self.cached:  # measured before a restart, not since
+                model = dataclasses.replace(self.cached[name], min_batch=cfg.min_local,
+                                            max_batch=cap)
             if model is None:
                 return None
             nodes.append(model)
-        comm = self.comm_fitter.fit() or CommModel()
-        return self._bounded(ClusterModel(nodes=nodes, comm=comm), min_local=cfg.min_local)
+        return ClusterModel(nodes=nodes, comm=self.comm_fitter.fit() or CommModel())
 
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
         """The same models with this config's bounds and caps applied."""

@@ -17,7 +17,7 @@ import numpy as np
 from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size
 from cannikin.optperf import Plan, optimal_split, share_split
-from cannikin.perf import ClusterModel, CommFitter, NodeFitter, NodeModel
+from cannikin.perf import ClusterModel, CommFitter, NodeFitter, NodeModel, fit_nodes
 from cannikin.sim.measure import Measurement, PolicyContext
 
 if TYPE_CHECKING:
@@ -208,8 +208,8 @@ class Cannikin(_Learning):
     def _plan(self) -> tuple[int, ...]:
         comm = self._comm.fit()
         caps = self._trusted_caps()
-        models = [f.fit(name=str(i), min_batch=1, max_batch=int(cap))
-                  for i, (f, cap) in enumerate(zip(self._nodes, caps, strict=True))]
+        models = fit_nodes(self._nodes, [str(i) for i in range(len(caps))], [1] * len(caps),
+                           [int(cap) for cap in caps])
         fitted = [mdl for mdl in models if mdl is not None]
         if comm is None or len(fitted) < len(models):
             return self._even(self._batch)
