@@ -134,24 +134,23 @@ def _pair_slope(b: FloatArray, y: FloatArray, valid: BoolArray) -> FloatArray:
     ~5 pairs per sample beyond (Theil-Sen: n/2). A pair is spoilt when either sample is,
     so, as for Theil-Sen, up to 29% of the samples can be stragglers at random before the
     median breaks, and the pairs span the row's batch range as its widest ones do."""
-    rows, width = b.shape
     order = np.argsort(np.where(valid, b, np.inf), axis=-1, kind="stable")
-    count = valid.sum(axis=-1, keepdims=True)
-    shifts = np.arange(-_PAIR_SHIFT, _PAIR_SHIFT + 1)
-    reach = min(width, width // 2 + _PAIR_SHIFT)  # no later sample is the first of a pair
-    first = np.tile(np.arange(reach), shifts.size)
-    offset = (count + 1) // 2 + np.repeat(shifts, reach)[None, :]
-    second = first[None, :] + offset
-    pair = (offset >= 1) & (second < count)
-    row_start = (np.arange(rows) * width)[:, None]
-    at_first = row_start + order[:, first]  # flat positions of each pair's samples
-    at_second = row_start + np.take_along_axis(order, np.clip(second, 0, width - 1), axis=-1)
-    flat_b, flat_y = b.reshape(-1), y.reshape(y.shape[0], -1)
-    db = flat_b[at_second] - flat_b[at_first]
-    pair &= db != 0
-    dy = flat_y[:, at_second] - flat_y[:, at_first]
-    slopes = np.divide(dy, db, out=np.zeros_like(dy), where=pair)
-    slope: FloatArray = np.where(pair.any(axis=-1), masked_median(slopes, pair), 0.0)
+    b_sorted = np.take_along_axis(b, order, axis=-1)
+    y_sorted = np.take_along_axis(y, order[None], axis=-1)
+    count = valid.sum(axis=-1)
+    slope = np.zeros(y.shape[:2])
+    for size in np.unique(count).tolist():  # rows of one sample count pair alike: slices
+        rows = np.flatnonzero(count == size)
+        half = (size + 1) // 2
+        offsets = [h for h in range(half - _PAIR_SHIFT, half + _PAIR_SHIFT + 1) if 1 <= h < size]
+        if not offsets:
+            continue
+        bs, ys = b_sorted[rows], y_sorted[:, rows]
+        db = np.concatenate([bs[:, h:size] - bs[:, : size - h] for h in offsets], axis=-1)
+        dy = np.concatenate([ys[..., h:size] - ys[..., : size - h] for h in offsets], axis=-1)
+        pair = db != 0
+        slopes = np.divide(dy, db, out=np.zeros_like(dy), where=pair)
+        slope[:, rows] = np.where(pair.any(axis=-1), masked_median(slopes, pair), 0.0)
     return slope
 
 
