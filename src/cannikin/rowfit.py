@@ -32,9 +32,8 @@ def masked_median(x: FloatArray, mask: BoolArray) -> FloatArray:
     """The median along the last axis of the masked-in values (NaN where there are none):
     the same value as ``np.median`` of them. ``mask`` broadcasts against ``x``."""
     width = x.shape[-1]
-    mask = np.broadcast_to(mask, x.shape)
     ordered = np.sort(np.where(mask, x, np.inf), axis=-1).reshape(-1)
-    count = mask.sum(axis=-1).reshape(-1)
+    count = np.broadcast_to(mask.sum(axis=-1), x.shape[:-1]).reshape(-1)
     base = np.arange(count.size) * width
     lo = ordered[base + np.maximum((count - 1) // 2, 0)]
     hi = ordered[base + np.minimum(count // 2, width - 1)]
