@@ -31,9 +31,15 @@ _PAIR_SHIFT = 2
 def masked_median(x: FloatArray, mask: BoolArray) -> FloatArray:
     """The median along the last axis of the masked-in values (NaN where there are none):
     the same value as ``np.median`` of them. ``mask`` broadcasts against ``x``."""
+    return _median_of_low(np.where(mask, x, np.inf), mask.sum(axis=-1))
+
+
+def _median_of_low(x: FloatArray, count: IntArray) -> FloatArray:
+    """The median of the ``count`` lowest values along the last axis of ``x`` (the rest
+    are +inf); ``count`` broadcasts against ``x.shape[:-1]``."""
     width = x.shape[-1]
-    ordered = np.sort(np.where(mask, x, np.inf), axis=-1).reshape(-1)
-    count = np.broadcast_to(mask.sum(axis=-1), x.shape[:-1]).reshape(-1)
+    ordered = np.sort(x, axis=-1).reshape(-1)
+    count = np.broadcast_to(count, x.shape[:-1]).reshape(-1)
     base = np.arange(count.size) * width
     lo = ordered[base + np.maximum((count - 1) // 2, 0)]
     hi = ordered[base + np.minimum(count // 2, width - 1)]
@@ -138,8 +144,9 @@ def _pair_slope(b: FloatArray, y: FloatArray, valid: BoolArray) -> FloatArray:
     y_sorted = np.take_along_axis(y, order[None], axis=-1)
     count = valid.sum(axis=-1)
     slope = np.zeros(y.shape[:2])
-    for size in np.unique(count).tolist():  # rows of one sample count pair alike: slices
-        rows = np.flatnonzero(count == size)
+    sizes = np.unique(count).tolist()
+    for size in sizes:  # rows of one sample count pair alike: slices
+        rows = slice(None) if len(sizes) == 1 else np.flatnonzero(count == size)
         half = (size + 1) // 2
         offsets = [h for h in range(half - _PAIR_SHIFT, half + _PAIR_SHIFT + 1) if 1 <= h < size]
         if not offsets:
@@ -148,8 +155,9 @@ def _pair_slope(b: FloatArray, y: FloatArray, valid: BoolArray) -> FloatArray:
         db = np.concatenate([bs[:, h:size] - bs[:, : size - h] for h in offsets], axis=-1)
         dy = np.concatenate([ys[..., h:size] - ys[..., : size - h] for h in offsets], axis=-1)
         pair = db != 0
-        slopes = np.divide(dy, db, out=np.zeros_like(dy), where=pair)
-        slope[:, rows] = np.where(pair.any(axis=-1), masked_median(slopes, pair), 0.0)
+        slopes = np.divide(dy, db, out=np.full_like(dy, np.inf), where=pair)
+        count_pairs = pair.sum(axis=-1)
+        slope[:, rows] = np.where(count_pairs > 0, _median_of_low(slopes, count_pairs), 0.0)
     return slope
 
 
