@@ -79,7 +79,7 @@ def robust_lines(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: BoolArray,
     Theil-Sen over all n^2/2 pairs as the only round was the rule before; at n = 1024
     workers its pairs alone cost ~100 ms a re-plan. The pairs' line alone moved more from
     one re-plan to the next under 25% noise (a held split changed 30 times in 500 steps,
-    12-19 with Theil-Sen); the second round brings it back (planner runs over 20-30 seeds:
+    12-18 with Theil-Sen); the second round brings it back (planner runs over 20-30 seeds:
     the same plan quality and fit errors as Theil-Sen's).
     """
     series = y.shape[0]
