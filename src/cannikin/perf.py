@@ -601,27 +601,18 @@ def fit_nodes(fitters: Sequence[NodeFitter], names: Sequence[str],
     if len(keys) != len(fitters):
         raise ValueError(f"{len(fitters)} fitters but {len(keys)} names and bounds")
     models: list[NodeModel | None] = [None] * len(fitters)
-    stale = []
+    stale: dict[tuple[int, FitConfig, int], list[int]] = {}  # alike windows stack together
     for i, (fitter, key) in enumerate(zip(fitters, keys, strict=True)):
         if fitter._fitted is not None and fitter._fitted[0] == key:
             models[i] = fitter._fitted[1]
         elif fitter.num_samples:
-            stale.append(i)
-    for rows in _alike(fitters, stale):
+            alike = (fitter.window, fitter.config, fitter.noise_min_samples)
+            stale.setdefault(alike, []).append(i)
+    for rows in stale.values():
         refits = _refit([fitters[i] for i in rows], [keys[i] for i in rows], detect=True)
         for i, model in zip(rows, refits, strict=True):
             models[i] = model
     return models
-
-
-def _alike(fitters: Sequence[NodeFitter], rows: Sequence[int]) -> list[list[int]]:
-    """``rows`` grouped by the fitters' window length and settings: a group's windows
-    stack into one array."""
-    groups: dict[tuple[int, FitConfig, int], list[int]] = {}
-    for i in rows:
-        fitter = fitters[i]
-        groups.setdefault((fitter.window, fitter.config, fitter.noise_min_samples), []).append(i)
-    return list(groups.values())
 
 
 def _windows(fitters: Sequence[NodeFitter]) -> tuple[FloatArray, FloatArray, FloatArray,
@@ -653,13 +644,13 @@ def _refit(fitters: Sequence[NodeFitter], keys: Sequence[tuple[str, int, int | N
     first = fitters[0]
     b, fwd, bwd, valid = _windows(fitters)
     anchors, anchored = _stacked_anchors(fitters, b, valid)
-    params = _params(fitters, b, fwd, bwd, valid, anchors, anchored)
+    # an anchor's batch size is one the window does not hold: either makes two sizes
+    shaped = has_two_values(b, valid) | anchored.any(axis=1)
+    params = _params(fitters, shaped, b, fwd, bwd, valid, anchors, anchored)
     log_ratio = _log_ratio(params, b, fwd + bwd)
     spread = robust_spread(log_ratio, valid)
     shift = change_points(log_ratio, valid, first.config, spread) if detect else (
         np.zeros(len(fitters), dtype=np.intp))
-    shaped = has_two_values(np.concatenate([b, anchors[:, :, 0]], axis=1),
-                            np.concatenate([valid, anchored], axis=1))
     noise = np.where(valid.sum(axis=1) >= first.noise_min_samples, spread[1], 0.0)
     models: list[NodeModel | None] = []
     for fitter, key, forget, line, two_sizes, sd in zip(
@@ -698,24 +689,25 @@ def _stacked_anchors(fitters: Sequence[NodeFitter], b: FloatArray, valid: BoolAr
     return anchors, present & ~held
 
 
-def _params(fitters: Sequence[NodeFitter], b: FloatArray, fwd: FloatArray, bwd: FloatArray,
-            valid: BoolArray, anchors: FloatArray, anchored: BoolArray) -> FloatArray:
+def _params(fitters: Sequence[NodeFitter], two_sizes: BoolArray, b: FloatArray,
+            fwd: FloatArray, bwd: FloatArray, valid: BoolArray, anchors: FloatArray,
+            anchored: BoolArray) -> FloatArray:
     """Rows ``(f0, f1, k0, k1)``, NaN for a fitter without a non-zero batch: robust lines
-    where the window and the anchors hold two batch sizes, else a level's medians through
-    the last two-size fit's shape (or proportional to the batch)."""
+    where the window and the anchors hold two batch sizes (``two_sizes``), else a level's
+    medians through the last two-size fit's shape (or proportional to the batch)."""
     cfg = fitters[0].config
     params = np.full((len(fitters), 4), np.nan)
-    lines = np.flatnonzero(has_two_values(b, valid) | anchored.any(axis=1))
-    if lines.size:
+    lines = slice(None) if two_sizes.all() else np.flatnonzero(two_sizes)
+    if two_sizes.any():
         intercept, slope = robust_lines(
             cfg, b[lines], np.stack([fwd[lines], bwd[lines]]), valid[lines],
             anchors[lines, :, 0], np.stack([anchors[lines, :, 1], anchors[lines, :, 2]]),
             anchors[lines, :, 3], anchored[lines])
         params[lines] = np.stack([intercept[0], slope[0], intercept[1], slope[1]], axis=1)
-    levels = np.setdiff1d(np.arange(len(fitters)), lines)
+    levels = np.flatnonzero(~two_sizes)
     if levels.size:
-        fwd_level = masked_median(fwd[levels], valid[levels]).tolist()
-        bwd_level = masked_median(bwd[levels], valid[levels]).tolist()
+        fwd_level, bwd_level = masked_median(np.stack([fwd[levels], bwd[levels]]),
+                                             valid[levels]).tolist()
         for row, fwd_at, bwd_at in zip(levels.tolist(), fwd_level, bwd_level, strict=True):
             at, shape = float(b[row, 0]), fitters[row]._shape
             if shape is not None:

@@ -92,7 +92,7 @@ def robust_lines(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: BoolArray,
     proportional = masked_median(np.divide(y_all, b_all, out=np.zeros_like(y_all),
                                            where=positive), positive)
     slope = _pair_slope(b, y, valid)
-    intercept = masked_median(y - slope[..., None] * b, valid)
+    intercept = np.full(slope.shape, np.nan)  # a fitted line's, else the first line's below
     for _ in range(2):
         inlier = _inliers(cfg, b, y, valid, slope)
         used = np.concatenate([inlier, anchored], axis=-1)
@@ -102,6 +102,9 @@ def robust_lines(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: BoolArray,
                                                       cfg.slope_prior_sd)
         slope = np.where(spread, shrunk_slope, slope)
         intercept = np.where(spread, shrunk_intercept, intercept)
+    unfitted = np.isnan(intercept)
+    if unfitted.any():
+        intercept = np.where(unfitted, masked_median(y - slope[..., None] * b, valid), intercept)
 
     b_used = np.where(used, b_all, 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -210,14 +213,15 @@ def change_points(log_ratio: FloatArray, valid: BoolArray, cfg: FitConfig,
     count = valid.sum(axis=1)
     centre, scale = spread
     reach = np.maximum(cfg.outlier_sigmas * scale, cfg.drift_clip)
-    clipped = np.clip(log_ratio, (centre - reach)[:, None], (centre + reach)[:, None])
-    x = np.where(valid, clipped, 0.0)
-    sums, squares = np.cumsum(x, axis=1), np.cumsum(x * x, axis=1)
-    s1, s2 = sums[:, split - 1], squares[:, split - 1]
     before = split[None, :].astype(np.float64)
     after = (count[:, None] - split[None, :]).astype(np.float64)
     allowed = after >= segment
-    with np.errstate(invalid="ignore", divide="ignore"):
+    # a row of unmodelled samples (log ratio inf or NaN) finds no change point, silently
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        clipped = np.clip(log_ratio, (centre - reach)[:, None], (centre + reach)[:, None])
+        x = np.where(valid, clipped, 0.0)
+        sums, squares = np.cumsum(x, axis=1), np.cumsum(x * x, axis=1)
+        s1, s2 = sums[:, split - 1], squares[:, split - 1]
         mean_a = s1 / before
         mean_b = (sums[:, -1:] - s1) / after
         within = (s2 - before * mean_a**2) + (squares[:, -1:] - s2 - after * mean_b**2)
