@@ -3,14 +3,21 @@ error naming the rank (tests/test_distributed.py covers a bare all-reduce)."""
 
 import re
 
+import pytest
+
+from cannikin.runtime.parallel import NORM_STRIDE
 from dist_utils import WORKERS, run_torchrun
 
 # gloo words an expired wait either way, depending on which side of the pair notices first
 GLOO_TIMEOUT = re.compile(r"Timed out|Application timeout caused pair closure")
 
 
-def test_hung_peer_fails_training_with_timeout_naming_rank() -> None:
-    result = run_torchrun(WORKERS / "hang_worker.py", nproc=2, script_args=["--timeout", "3"],
+@pytest.mark.parametrize("hang_step", [3, NORM_STRIDE], ids=["plain-step", "norm-step"])
+def test_hung_peer_fails_training_with_timeout_naming_rank(hang_step: int) -> None:
+    """Both ways a step's all-reduces complete: a step without gradient norms waits for
+    them in the last bucket's hook, a step with norms on the finisher thread."""
+    result = run_torchrun(WORKERS / "hang_worker.py", nproc=2,
+                          script_args=["--timeout", "3", "--hang-step", str(hang_step)],
                           timeout_s=90, env={"CANNIKIN_SLOWDOWN": ""})
     assert not result.timed_out, "the job hung instead of failing at the collective timeout"
     assert result.returncode != 0

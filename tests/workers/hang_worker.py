@@ -1,5 +1,5 @@
 """Worker for tests/test_hang.py: HeteroDataParallel training where the last rank stops
-responding at step 3; the others must fail at the collective timeout (``--timeout``),
+responding at step ``--hang-step``; the others must fail at the collective timeout (``--timeout``),
 naming their rank, instead of waiting forever."""
 
 import argparse
@@ -17,6 +17,7 @@ from cannikin.runtime import HeteroDataLoader, HeteroDataParallel, init_distribu
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument("--hang-step", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=args.timeout)
@@ -27,7 +28,7 @@ def main() -> None:
     loader = HeteroDataLoader(data, batch_size=20)
     model = HeteroDataParallel(net, optimizer, loader)
     for x, y in loader:
-        if model.step == 3 and ctx.rank == ctx.world_size - 1:
+        if model.step == args.hang_step and ctx.rank == ctx.world_size - 1:
             print(f"rank {ctx.rank} stops responding", flush=True)
             time.sleep(3600)
         optimizer.zero_grad()

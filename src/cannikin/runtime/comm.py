@@ -28,8 +28,9 @@ DDP waits on *before* it destroys the callback), and the ``contextvars.Context``
 keeps in the backward's thread-local state, which every collective launched from the
 backward copies into its work (:func:`_backward_context_unstashed`). So the hook launches
 its all-reduces without that context and hands DDP a future of its own, which a
-:class:`_Finisher` thread completes: a plain non-daemon Python thread, which the
-interpreter joins before it finalises.
+:class:`_Finisher` thread completes (a plain non-daemon Python thread, which the
+interpreter joins before it finalises) on a step that measures the reduced gradient, and
+the last bucket's hook completes on any other step (:func:`_complete_at_last_bucket`).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook signature at run time.
@@ -89,6 +90,8 @@ class CommState:
     """The carrier bucket and ``rows`` side by side, kept from step to step (a fresh tensor
     of a bucket's size costs page faults on every step); DDP has copied the reduced head
     into the gradients before the next backward writes it again."""
+    unfinished: list["_Reduction"] = field(default_factory=list)
+    """This step's all-reduces that the last bucket's hook completes (unmeasured buckets)."""
     finisher: "_Finisher | None" = None
     """Completes the all-reduces in flight (made at the first bucket: it needs the device)."""
     stream: torch.cuda.Stream | None = None
@@ -113,6 +116,7 @@ class CommState:
         self.rows = None
         self.rows_tail = None
         self.rows_alone = None
+        self.unfinished = []
 
     def rows_reduced(self) -> np.ndarray | None:
         """``rows`` summed over ranks (after the backward); None if they were not sent."""
@@ -233,11 +237,14 @@ def weighted_allreduce_hook(
             alone = torch.from_numpy(rows).to(buffer.device)
             state.rows_alone = (alone, dist.all_reduce(alone, group=state.group,
                                                        async_op=True))
+    reduction = _Reduction(slot=slot, bucket=bucket, sent=send, size=size,
+                           carries_rows=payload is not None, measured=state.capture_sqnorm,
+                           work=work)
+    if not reduction.measured:
+        return _complete_at_last_bucket(state, reduction, bucket.is_last())
     if state.finisher is None:
         state.finisher = _Finisher(state, buffer.device)
-    return state.finisher.add(_Reduction(
-        slot=slot, bucket=bucket, sent=send, size=size, carries_rows=payload is not None,
-        measured=state.capture_sqnorm, work=work))
+    return state.finisher.add(reduction)
 
 
 @dataclass(kw_only=True)
@@ -314,31 +321,57 @@ class _Finisher:
                 if state is None:
                     raise RuntimeError("the all-reduce hook's state is gone")
                 if self._stream is None:
-                    self._complete(state, reduction)
+                    _finish(state, reduction)
                 else:
                     with torch.cuda.stream(self._stream):  # waits for the collective only
-                        self._complete(state, reduction)
+                        _finish(state, reduction)
             except Exception as error:  # every future must complete: DDP waits on it
                 reduction.result.set_exception(error)  # type: ignore[arg-type]  # typed as T
             del state, reduction
 
-    @staticmethod
-    def _complete(state: CommState, reduction: _Reduction) -> None:
-        try:
-            reduction.work.wait()
-        except RuntimeError as error:  # gloo/nccl: the process group's timeout ran out
-            raise RuntimeError(
-                f"rank {dist.get_rank(state.group)} of {dist.get_world_size(state.group)}: "
-                f"gradient all-reduce failed (a peer worker may be hung or dead; the wait is "
-                f"bounded by the collective timeout, docs/reliability.md): {error}") from error
-        if reduction.measured:
-            state.done[reduction.slot] = state.clock.mark()
-        reduced = reduction.sent[:reduction.size]
-        if reduction.carries_rows:
-            state.rows_tail = reduction.sent[reduction.size:]
-        if reduction.measured:
-            state._add_global(reduction.bucket, reduced)
-        reduction.result.set_result(reduced)
+
+def _finish(state: CommState, reduction: _Reduction) -> None:
+    """Wait for ``reduction``'s all-reduce, take what the step measures of it, and
+    complete the future DDP waits on with the reduced bucket."""
+    try:
+        reduction.work.wait()
+    except RuntimeError as error:  # gloo/nccl: the process group's timeout ran out
+        raise RuntimeError(
+            f"rank {dist.get_rank(state.group)} of {dist.get_world_size(state.group)}: "
+            f"gradient all-reduce failed (a peer worker may be hung or dead; the wait is "
+            f"bounded by the collective timeout, docs/reliability.md): {error}") from error
+    if reduction.measured:
+        state.done[reduction.slot] = state.clock.mark()
+    reduced = reduction.sent[:reduction.size]
+    if reduction.carries_rows:
+        state.rows_tail = reduction.sent[reduction.size:]
+    if reduction.measured:
+        state._add_global(reduction.bucket, reduced)
+    reduction.result.set_result(reduced)
+
+
+def _complete_at_last_bucket(state: CommState, reduction: _Reduction,
+                             last: bool) -> torch.futures.Future[torch.Tensor]:
+    """A bucket of a step that takes no marks or norms when its all-reduce is done: no
+    thread is woken for it. The last bucket's hook waits for the step's all-reduces in
+    launch order and completes their futures, which is where DDP would wait for them
+    anyway; a failure raises from that hook, so from ``backward()``. On a worker held to
+    a fraction of a core the finisher's two wake-ups per bucket cost CPU it does not have.
+    """
+    devices: list[int | str | torch.device] | None = (
+        None if reduction.sent.device.type == "cpu" else [reduction.sent.device])
+    reduction.result = torch.futures.Future(devices=devices)
+    state.unfinished.append(reduction)
+    if last:
+        pending, state.unfinished = state.unfinished, []
+        for index, waiting in enumerate(pending):
+            try:
+                _finish(state, waiting)
+            except Exception as error:
+                for left in pending[index:]:  # nobody may wait on them forever
+                    left.result.set_exception(error)  # type: ignore[arg-type]  # typed as T
+                raise
+    return reduction.result
 
 
 def _result_or_raise(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
