@@ -12,6 +12,10 @@ starts with one untimed step of its own, so that none is timed on the previous o
 * plain DDP at Cannikin's split (as it stood after the warm-up);
 * plain DDP at a sweep of fixed splits, including 0 samples for the slowest worker.
 
+Cannikin's model as fitted by the end predicts every configuration's step too (its error
+against plain DDP's measured step: the model away from the split in use, DDP's own step
+being the closest measured thing to what the model describes).
+
 Plain DDP where rank i draws b_i samples and scales its summed loss by n / B computes the
 exact mean gradient for any fixed split, so the best of these is the ground truth for the
 best fixed split. Each configuration's figure is B / (median over rounds of its block's
@@ -167,11 +171,14 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
     dist.all_gather_object(shares, share)
     if rank == 0:
         tracker = hdp.prediction_tracker
+        model = hdp.cluster_model  # as fitted by the end: its prediction of every split
+        model_s = {name: None if model is None else model.expected_step_time(
+            list(split or hdp.plan.local_batches)) for name, split in configs.items()}
         out.write_text(json.dumps({
             "world": world, "shares": shares, "compute_s": speeds, "blocks": blocks,
             "splits": {k: list(v) if v else None for k, v in configs.items()},
             "cannikin_final": list(hdp.plan.local_batches), "cannikin_warm": list(cannikin_split),
-            "errors": errors, "plans": len(hdp.plan_history),
+            "errors": errors, "plans": len(hdp.plan_history), "model_s": model_s,
             "tracker_window": tracker.median_window_error(),
             "tracker_step": tracker.median_step_error(),
         }))
@@ -197,14 +204,26 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
     medians = {name: statistics.median(times) for name, times in result["blocks"].items()}
     best = min(medians.values())
     rounds = len(next(iter(result["blocks"].values())))
+    model_s = result["model_s"]
     print(f"\n{'configuration':28s} {'split':>12s} {'ms/step':>8s} {'IQR':>13s} "
-          f"{'samples/s':>10s} {'/ best':>7s}   ({rounds} blocks each, median)")
+          f"{'samples/s':>10s} {'/ best':>7s} {'model':>7s} {'error':>6s}   ({rounds} blocks "
+          "each, median; model: Cannikin's final fit's prediction of that split)")
     for name, step_s in sorted(medians.items(), key=lambda kv: kv[1]):
         split = result["splits"][name] or result["cannikin_final"]
         q = statistics.quantiles(result["blocks"][name], n=4)
+        predicted = model_s[name]
+        model = "" if predicted is None else (
+            f"{1e3 * predicted:7.1f} {100 * (predicted - step_s) / step_s:+5.0f}%")
         print(f"{name:28s} {'/'.join(map(str, split)):>12s} {1e3 * step_s:8.1f} "
               f"{1e3 * q[0]:6.1f}-{1e3 * q[2]:<6.1f} {TOTAL / step_s:10.0f} "
-              f"{best / step_s:7.2f}")
+              f"{best / step_s:7.2f} {model}")
+    away = [abs(p - medians[n]) / medians[n] for n, p in model_s.items()
+            if p is not None and n != "Cannikin"]
+    if away:
+        print(f"Cannikin's final model against plain DDP's measured steps, all {len(away)} "
+              f"fixed splits: median error {100 * statistics.median(away):.1f}%, worst "
+              f"{100 * max(away):.1f}% (even split: "
+              f"{100 * abs(model_s['DDP even'] - medians['DDP even']) / medians['DDP even']:.1f}%)")
     warm, final = result["cannikin_warm"], result["cannikin_final"]
     moved = "" if warm == final else f" (after the warm-up: {'/'.join(map(str, warm))})"
     print(f"\nCannikin's split {'/'.join(map(str, final))}{moved}, {result['plans']} plans")
