@@ -201,3 +201,21 @@ def test_missing_demo_packages_are_named_in_one_line(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert "needs rich, scikit-learn" in err and "cannikin[demo,torch]" in err
+
+
+def test_a_target_runs_three_phases_with_the_goodput_batch() -> None:
+    config = config_of(["--target", "0.9"])
+    assert config.target == 0.9
+    assert [p for p, _ in config.phases] == ["even", "adaptdl", "cannikin"]
+    assert not config.adapts_batch("even")
+    assert config.adapts_batch("adaptdl") and config.adapts_batch("optimal")
+    assert DemoConfig.from_json(config.to_json()) == config
+    assert [p for p, _ in config_of([]).phases] == ["even", "cannikin"]
+    assert not config_of([]).adapts_batch("optimal")
+
+
+@pytest.mark.parametrize("target", ["0", "1", "1.5", "-0.2", "ninety"])
+def test_a_target_outside_zero_to_one_is_refused(target: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(["--target", target], capsys)
+    assert "--target" in err and target in err

@@ -12,7 +12,7 @@ from cannikin.demo.progress import DemoProgress
 def test_live_loss_is_labelled_as_rank_zero_local_loss() -> None:
     stream = io.StringIO()
     console = Console(file=stream, force_terminal=True, width=200, color_system=None)
-    with DemoProgress(640, console) as bar:
+    with DemoProgress(640, ["even", "cannikin"], console) as bar:
         bar.update([
             {"phase": "cannikin", "kind": "plan", "step": 1, "local_batches": [3, 3, 16, 42]},
             {"phase": "cannikin", "kind": "train", "step": 1, "rank0_loss": 1.25,

@@ -57,7 +57,7 @@ def fake_phase(phase: str, step_s: float, batches: list[int], steps: int) -> tup
                         "total_batch": total, "step_time_s": step_s,
                         "predicted_step_time_s": predicted})
         records.append({"phase": phase, "kind": "train", "step": s, "rank0_loss": 1 / s,
-                        "rank0_batch": batches[0],
+                        "rank0_batch": batches[0], "total_batch": total,
                         "samples": s * total, "wall_s": s * step_s})
     result = {"phase": phase, "steps": steps, "samples": steps * total,
               "wall_s": steps * step_s, "train_size": 30, "test_size": 8,
@@ -109,6 +109,52 @@ def test_table_shows_both_runs_and_the_ideal(report: dict[str, Any]) -> None:
     console = Console(record=True, width=140)
     console.print(render_table(report))
     assert "Cannikin" in console.export_text()
+
+
+def target_report(reached: dict[str, float | None]) -> tuple[dict[str, Any],
+                                                              list[dict[str, Any]]]:
+    """A --target report of three fake runs, each reaching the target at ``reached``
+    seconds (None: never), with its evaluation records."""
+    config = DemoConfig(speeds=SPEEDS, steps=10, batch_size=21, target=0.8)
+    phases = {"even": fake_phase("even", 0.4, [7, 7, 7], 10),
+              "adaptdl": fake_phase("adaptdl", 0.35, [10, 10, 10], 10),
+              "cannikin": fake_phase("cannikin", 0.2, [3, 6, 12], 10)}
+    records = [r for _, rows, _ in phases.values() for r in rows]
+    for phase, seconds in reached.items():
+        result = phases[phase][0]
+        result.update(mean_batch=result["samples"] / result["steps"],
+                      final_batch=sum(result["local_batches"]), target=0.8,
+                      time_to_target_s=seconds, steps_to_target=None if seconds is None else 4,
+                      samples_to_target=None if seconds is None else 84)
+        records += [{"phase": phase, "kind": "eval", "step": s, "accuracy": 0.2 * s,
+                     "samples": 21 * s, "train_s": 0.5 * s} for s in range(1, 5)]
+    report = build_report(config, {p: v[0] for p, v in phases.items()}, records,
+                          {p: v[2] for p, v in phases.items()})
+    return report, records
+
+
+def test_a_target_report_compares_the_times_to_target() -> None:
+    report, _ = target_report({"even": 4.0, "adaptdl": 2.5, "cannikin": 1.0})
+    assert report["phases"] == ["even", "adaptdl", "cannikin"]
+    assert report["time_to_target_vs"] == {"even": pytest.approx(0.25),
+                                           "adaptdl": pytest.approx(0.4)}
+    assert report["adaptdl"]["mean_batch"] == pytest.approx(30)
+    rows = {row[0]: row[1:] for row in table_rows(report)}
+    assert rows["time to 80.0%"] == ("4.0 s, 4 steps", "2.5 s, 4 steps", "1.0 s, 4 steps",
+                                     "Cannikin: 0.25x DDP (even split), 0.40x AdaptDL-like")
+    assert rows["throughput, samples/s"][:3] == ("52", "86 (1.63x)", "105 (2.00x)")
+    missed, _ = target_report({"even": None, "adaptdl": 2.5, "cannikin": None})
+    assert missed["time_to_target_vs"] == {"even": None, "adaptdl": None}
+    assert {row[0]: row[1:] for row in table_rows(missed)}["time to 80.0%"][0] == (
+        "not reached")
+
+
+def test_a_target_plot_writes_a_png(tmp_path: Path) -> None:
+    from cannikin.demo.plot import write_plot
+
+    report, records = target_report({"even": 4.0, "adaptdl": None, "cannikin": 1.0})
+    write_plot(report, records, tmp_path / "target.png")
+    assert (tmp_path / "target.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_writes_a_png(tmp_path: Path, report: dict[str, Any]) -> None:

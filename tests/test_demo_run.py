@@ -52,3 +52,32 @@ def test_demo_trains_both_runs_and_reports_them(demo: tuple[int, dict[str, Any],
     assert report["ideal_throughput"] == pytest.approx(
         report["even"]["throughput"] * 7 / 3)
     assert (tmp / "demo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(150)
+def test_a_target_run_stops_each_phase_at_the_target(tmp_path: Path) -> None:
+    """``--target``: three runs on the same samples, each ending at its first evaluation at
+    or above the target (the evaluations every ``eval_every`` samples)."""
+    args = parse(["--speeds", "1,4", "--epochs", "2", "--batch-size", "32", "--target", "0.5",
+                  "--json", str(tmp_path / "t.json"), "--out", str(tmp_path / "out"),
+                  "--no-progress", "--timeout", "120"])
+    code = args.func(args)
+    assert code == 0, (tmp_path / "out" / "workers.log").read_text()[-3000:]
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["phases"] == ["even", "adaptdl", "cannikin"] and report["target"] == 0.5
+    evals = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()
+             if '"eval"' in line]
+    for phase in report["phases"]:
+        run = report[phase]
+        assert run["time_to_target_s"] is not None, f"{phase} never reached 50%"
+        assert 0 < run["time_to_target_s"] <= run["wall_s"]
+        assert run["samples_to_target"] == run["samples"] < 2 * DIGITS_TRAIN_SIZE
+        assert run["steps_to_target"] == run["steps"]
+        mine = [e for e in evals if e["phase"] == phase]
+        assert mine[-1]["accuracy"] >= 0.5 > max((e["accuracy"] for e in mine[:-1]),
+                                                 default=0.0)
+        due = [e["samples"] // 256 for e in mine]  # eval_every: one evaluation each
+        assert due[0] >= 1 and all(a < b for a, b in zip(due, due[1:], strict=False))
+        assert run["mean_batch"] == pytest.approx(run["samples"] / run["steps"])
+    assert report["time_to_target_vs"]["even"] == pytest.approx(
+        report["cannikin"]["time_to_target_s"] / report["even"]["time_to_target_s"])

@@ -69,6 +69,13 @@ class DemoConfig:
     """Let Cannikin choose the total batch by goodput (up to ``max_batch_size``)."""
     max_batch_size: int = 256
     """Largest total batch the adaptive mode may choose."""
+    target: float | None = None
+    """Time to accuracy: train three runs (DDP, AdaptDL-like, Cannikin; the latter two with
+    the goodput-chosen batch) each until the held-out accuracy reaches this, or the sample
+    budget is spent; None: the DDP and Cannikin runs over the whole budget."""
+    eval_every: int = 256
+    """With a ``target``: evaluate the held-out accuracy each time this many more samples
+    have been trained on (the same points in every run, whatever its batch)."""
     replan_every: int = 5
     """Steps between re-plans of the split."""
     lr: float = 0.05
@@ -121,6 +128,11 @@ class DemoConfig:
             raise ValueError(f"replan_every must be >= 1, got {self.replan_every}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
+        if self.target is not None and not 0.0 < self.target < 1.0:
+            raise ValueError(f"target accuracy {self.target} is not valid: give a fraction "
+                             "of the held-out images strictly between 0 and 1, e.g. 0.9")
+        if self.eval_every < 1:
+            raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
         if self.cpu_shares is not None and len(self.cpu_shares) != n:
             raise ValueError(f"{len(self.cpu_shares)} CPU shares for {n} workers: give one "
                              "per worker")
@@ -133,6 +145,19 @@ class DemoConfig:
     def heterogeneity(self) -> str:
         """"quota" (real CPU quotas) or "emulate" (sleep-padding)."""
         return "emulate" if self.cpu_shares is None else "quota"
+
+    @property
+    def phases(self) -> tuple[tuple[str, str], ...]:
+        """(phase name, HeteroDataParallel split) of each run, in the order they train: the
+        DDP baseline first; with a ``target`` also AdaptDL's policy (even split, goodput
+        batch) before Cannikin."""
+        if self.target is None:
+            return (("even", "even"), ("cannikin", "optimal"))
+        return (("even", "even"), ("adaptdl", "adaptdl"), ("cannikin", "optimal"))
+
+    def adapts_batch(self, split: str) -> bool:
+        """Whether the run with ``split`` chooses its total batch by goodput."""
+        return split != "even" and (self.adaptive_batch or self.target is not None)
 
     @property
     def slowdowns(self) -> tuple[float, ...]:

@@ -1,5 +1,6 @@
 """The ``--plot`` figure: how Cannikin re-split the batch, how well it predicted the step
-time, and what that did to throughput. matplotlib is imported only here, only when asked."""
+time, and what that did to throughput (with a target: accuracy and batch over time too).
+matplotlib is imported only here, only when asked."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from cannikin.demo.report import PHASE_TITLES
 
 THROUGHPUT_WINDOW = 10
 """Steps in the moving window of the throughput curve."""
-COLORS = {"even": "tab:orange", "cannikin": "tab:blue"}
+COLORS = {"even": "tab:orange", "adaptdl": "tab:green", "cannikin": "tab:blue"}
 
 
 def _phase(records: Sequence[Mapping[str, Any]], phase: str, kind: str) -> list[Mapping[str, Any]]:
@@ -40,6 +41,28 @@ def _legend_below(ax: Any) -> None:
               frameon=False)
 
 
+def _plot_time_to_target(ax_accuracy: Any, ax_batch: Any, report: Mapping[str, Any],
+                         records: Sequence[Mapping[str, Any]], titles: Mapping[str, str]) -> None:
+    """Held-out accuracy and the total batch against training time, one line per run."""
+    for phase, title in titles.items():
+        evals = _phase(records, phase, "eval")
+        seconds = report[phase]["time_to_target_s"]
+        reached = "not reached" if seconds is None else f"{seconds:.1f} s"
+        ax_accuracy.plot([r["train_s"] for r in evals], [100 * r["accuracy"] for r in evals],
+                         "-o", ms=3, lw=2, color=COLORS[phase], label=f"{title}: {reached}")
+        train = _phase(records, phase, "train")
+        ax_batch.step([r["wall_s"] for r in train], [r["total_batch"] for r in train],
+                      where="post", lw=2, color=COLORS[phase], label=title)
+    ax_accuracy.axhline(100 * report["target"], color="black", ls="--", lw=1.5,
+                        label=f"target {100 * report['target']:g}%")
+    ax_accuracy.set(title="Held-out accuracy", xlabel="training seconds (evaluations excluded)",
+                    ylabel="%")
+    ax_batch.set(title="Total batch", xlabel="training seconds", ylabel="samples per step")
+    ax_batch.set_ylim(bottom=0)
+    _legend_below(ax_accuracy)
+    _legend_below(ax_batch)
+
+
 def write_plot(
     report: Mapping[str, Any], records: Sequence[Mapping[str, Any]], path: str | Path
 ) -> None:
@@ -48,8 +71,12 @@ def write_plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_split, ax_time, ax_rate) = plt.subplots(1, 3, figsize=(17, 6))
+    target = report.get("target")
+    fig, axes = plt.subplots(1, 3 if target is None else 5,
+                             figsize=(17, 6) if target is None else (28, 6))
+    ax_split, ax_time, ax_rate = axes[:3]
     speeds = report["speeds"]
+    titles = {p: PHASE_TITLES[p] for p in report["phases"]}
 
     plans = _phase(records, "cannikin", "plan")
     steps = [r["step"] for r in plans]
@@ -57,7 +84,7 @@ def write_plot(
     for rank, speed in enumerate(speeds):
         ax_split.plot(steps, [r["local_batches"][rank] for r in plans], lw=2,
                       color=palette((rank + 2) % 10), label=f"worker {rank} (speed {speed:g})")
-    if report["adaptive_batch"]:
+    if report["adaptive_batch"] or target is not None:
         ax_split.plot(steps, [r["total_batch"] for r in plans], color="black", ls=":", lw=1.5,
                       label="total batch (chosen by goodput)")
     even_plans = _phase(records, "even", "plan")
@@ -73,7 +100,7 @@ def write_plot(
                        label="new epoch (after a smaller remainder batch)" if i == 0 else None)
     _legend_below(ax_split)
 
-    for phase, title in PHASE_TITLES.items():
+    for phase, title in titles.items():
         rows = _phase(records, phase, "plan")
         color = COLORS[phase]
         ax_time.plot([r["step"] for r in rows], [1000 * (r["step_time_s"] or float("nan"))
@@ -86,7 +113,7 @@ def write_plot(
     ax_time.set_ylim(bottom=0)
     _legend_below(ax_time)
 
-    for phase, title in PHASE_TITLES.items():
+    for phase, title in titles.items():
         times, rates = _moving_throughput(_phase(records, phase, "train"))
         ax_rate.plot(times, rates, lw=2, color=COLORS[phase],
                      label=f"{title}: {report[phase]['throughput']:.0f} samples/s overall")
@@ -97,7 +124,9 @@ def write_plot(
     ax_rate.set_ylim(bottom=0)
     _legend_below(ax_rate)
 
-    for ax in (ax_split, ax_time, ax_rate):
+    if target is not None:
+        _plot_time_to_target(axes[3], axes[4], report, records, titles)
+    for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(f"cannikin demo: {len(speeds)} workers, speeds "
                  f"{', '.join(f'{s:g}' for s in speeds)}", fontsize=13)

@@ -7,7 +7,7 @@ few samples, so it is no measure of the training loss (the report evaluates that
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -20,9 +20,10 @@ RATE_WINDOW = 10
 
 
 class DemoProgress:
-    """Progress in samples (the budget both phases share), updated from metric records."""
+    """Progress in samples (the budget the phases share), updated from metric records."""
 
-    def __init__(self, budget: int, console: Console, enabled: bool = True) -> None:
+    def __init__(self, budget: int, phases: Sequence[str], console: Console,
+                 enabled: bool = True) -> None:
         self._progress = Progress(
             TextColumn("{task.description:<17}"),
             BarColumn(bar_width=30),
@@ -42,10 +43,10 @@ class DemoProgress:
             phase: self._progress.add_task(
                 title, total=budget, start=False, rate="", split="", loss=""
             )
-            for phase, title in PHASE_TITLES.items()
+            for phase, title in ((p, PHASE_TITLES[p]) for p in phases)
         }
         self._recent: dict[str, deque[tuple[float, int]]] = {
-            phase: deque(maxlen=RATE_WINDOW + 1) for phase in PHASE_TITLES
+            phase: deque(maxlen=RATE_WINDOW + 1) for phase in phases
         }
 
     @property

@@ -24,6 +24,13 @@ ideal_throughput
     per-step cost do not shrink with the split, so it is not reached exactly). Under CPU
     quotas the speeds are nominal (the shares' ratios; a small share runs slower than its
     share), so the ideal is a guide only.
+time_to_target_s
+    with a target accuracy: the run's training time (evaluations excluded) when the
+    held-out accuracy, evaluated every ``eval_every`` samples, first reached the target;
+    None if it never did within the budget. ``time_to_target_vs`` divides Cannikin's by
+    each other run's.
+mean_batch / final_batch
+    samples per step over the run, and the total batch planned at its end.
 samples_seen_per_epoch
     distinct training samples used in each epoch of the Cannikin run, over all workers; with
     exactly-once sampling it equals the training set size for every full epoch (the last
@@ -39,7 +46,8 @@ from typing import Any
 
 from cannikin.demo.config import DemoConfig
 
-PHASE_TITLES = {"even": "DDP (even split)", "cannikin": "Cannikin"}
+PHASE_TITLES = {"even": "DDP (even split)", "adaptdl": "AdaptDL-like", "cannikin": "Cannikin"}
+"""Every phase a demo can run (:attr:`DemoConfig.phases` says which, in order)."""
 
 
 def _finite(values: Sequence[Any]) -> list[float]:
@@ -85,6 +93,11 @@ def phase_summary(
         "local_batches": list(result["local_batches"]),
         "prediction_error_median": result["prediction_error_median"],
         "prediction_error_step_median": result["prediction_error_step_median"],
+        "mean_batch": result.get("mean_batch"),
+        "final_batch": result.get("final_batch"),
+        "time_to_target_s": result.get("time_to_target_s"),
+        "steps_to_target": result.get("steps_to_target"),
+        "samples_to_target": result.get("samples_to_target"),
         "predicted_step_time_s": _mean([p for p, _ in paired]),
         "measured_step_time_s": _mean([m for _, m in paired]),
         "steps": result["steps"],
@@ -111,11 +124,20 @@ def build_report(
             [r for r in records if r.get("phase") == phase and r.get("kind") == "plan"],
             ranks[phase],
         )
-        for phase in PHASE_TITLES
+        for phase, _ in config.phases
     }
     speeds = config.speeds
     even = phases["even"]["throughput"]
+    cannikin_time = phases["cannikin"]["time_to_target_s"]
+    versus = {
+        phase: None if cannikin_time is None or not figures["time_to_target_s"]
+        else cannikin_time / figures["time_to_target_s"]
+        for phase, figures in phases.items() if phase != "cannikin"
+    }
     return {
+        "phases": list(phases),
+        "target": config.target,
+        "time_to_target_vs": versus if config.target is not None else None,
         "workers": config.workers,
         "speeds": list(speeds),
         "heterogeneity": config.heterogeneity,
@@ -139,39 +161,56 @@ def _pct(fraction: float | None) -> str:
     return "-" if fraction is None or not math.isfinite(fraction) else f"{100 * fraction:.1f}%"
 
 
-def table_rows(report: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
-    """(figure, even, Cannikin, note) rows of the printed table (fits 80 columns)."""
-    even, can = report["even"], report["cannikin"]
+def table_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """(figure, one value per phase in ``report["phases"]``, note) rows of the printed
+    table (two phases fit 80 columns)."""
+    phases = [report[p] for p in report["phases"]]
     n = report["train_size"]
+    even_rate = report["even"]["throughput"]
 
-    def step_times(phase: Mapping[str, Any]) -> str:
-        return f"{_ms(phase['predicted_step_time_s'])} / {_ms(phase['measured_step_time_s'])}"
+    def row(figure: str, cell: Any, note: str = "") -> tuple[str, ...]:
+        return (figure, *(cell(phase) for phase in phases), note)
+
+    def rate(phase: Mapping[str, Any]) -> str:
+        ratio = phase["throughput"] / even_rate
+        return f"{phase['throughput']:.0f}" + ("" if phase is report["even"] else
+                                               f" ({ratio:.2f}x)")
 
     def complete(phase: Mapping[str, Any]) -> str:
         seen = phase["samples_seen_per_epoch"]
         return f"{sum(1 for s in seen if s == n)}/{len(seen)}"
 
-    def repeated(phase: Mapping[str, Any]) -> str:
-        return str(sum(phase["repeated_samples_per_epoch"]))
+    def to_target(phase: Mapping[str, Any]) -> str:
+        seconds = phase["time_to_target_s"]
+        return "not reached" if seconds is None else (
+            f"{seconds:.1f} s, {phase['steps_to_target']} steps")
 
+    rows = [
+        row("throughput, samples/s", rate, f"ideal {report['ideal_throughput']:.0f}"),
+        row("mean step time, ms", lambda p: _ms(p["mean_step_time_s"])),
+        row("predicted/measured ms", lambda p: f"{_ms(p['predicted_step_time_s'])} / "
+                                               f"{_ms(p['measured_step_time_s'])}", "2nd half"),
+        row("prediction error", lambda p: _pct(p["prediction_error_median"]), "per window"),
+        row("local batches", lambda p: " ".join(map(str, p["local_batches"])),
+            "speeds " + " ".join(f"{s:g}" for s in report["speeds"])),
+        row("steps / samples", lambda p: f"{p['steps']} / {p['samples']}"),
+        row("final training loss", lambda p: f"{p['final_loss']:.3f}"),
+        row("held-out accuracy", lambda p: _pct(p["accuracy"]), f"{report['test_size']} images"),
+        row("epochs, all samples", complete, f"{n} per epoch"),
+        row("samples used twice", lambda p: str(sum(p["repeated_samples_per_epoch"])),
+            "exactly once"),
+    ]
+    if report.get("target") is None:
+        return rows
+    versus = report["time_to_target_vs"]
+    note = ", ".join(f"{ratio:.2f}x {PHASE_TITLES[p]}" for p, ratio in versus.items()
+                     if ratio is not None)
     return [
-        ("throughput, samples/s", f"{even['throughput']:.0f}",
-         f"{can['throughput']:.0f} ({report['speedup']:.2f}x)",
-         f"ideal {report['ideal_throughput']:.0f}"),
-        ("mean step time, ms", _ms(even["mean_step_time_s"]), _ms(can["mean_step_time_s"]), ""),
-        ("predicted/measured ms", step_times(even), step_times(can), "2nd half"),
-        ("prediction error", _pct(even["prediction_error_median"]),
-         _pct(can["prediction_error_median"]), "per window"),
-        ("local batches", " ".join(map(str, even["local_batches"])),
-         " ".join(map(str, can["local_batches"])),
-         "speeds " + " ".join(f"{s:g}" for s in report["speeds"])),
-        ("steps / samples", f"{even['steps']} / {even['samples']}",
-         f"{can['steps']} / {can['samples']}", ""),
-        ("final training loss", f"{even['final_loss']:.3f}", f"{can['final_loss']:.3f}", ""),
-        ("held-out accuracy", _pct(even["accuracy"]), _pct(can["accuracy"]),
-         f"{report['test_size']} images"),
-        ("epochs, all samples", complete(even), complete(can), f"{n} per epoch"),
-        ("samples used twice", repeated(even), repeated(can), "exactly once"),
+        row(f"time to {_pct(report['target'])}", to_target,
+            f"Cannikin: {note}" if note else "training time"),
+        row("mean / final batch", lambda p: f"{p['mean_batch']:.0f} / {p['final_batch']}"
+            if p["mean_batch"] is not None else "-"),
+        *rows,
     ]
 
 
@@ -180,7 +219,8 @@ def render_table(report: Mapping[str, Any]) -> Any:
     from rich.table import Table
 
     speeds = ",".join(f"{s:g}" for s in report["speeds"])
-    mode = "adaptive" if report["adaptive_batch"] else "fixed"
+    mode = ("adaptive" if report["adaptive_batch"] or report.get("target") is not None
+            else "fixed")
     shares = report.get("cpu_shares")
     kind = "emulated" if shares is None else "CPU quotas " + ",".join(f"{s:g}" for s in shares)
     table = Table(
@@ -188,8 +228,9 @@ def render_table(report: Mapping[str, Any]) -> Any:
               f"batch {report['batch_size']} ({mode})",
     )
     table.add_column("")
-    table.add_column(PHASE_TITLES["even"], justify="right")
-    table.add_column(PHASE_TITLES["cannikin"], justify="right", style="bold")
+    for phase in report["phases"]:
+        table.add_column(PHASE_TITLES[phase], justify="right",
+                         style="bold" if phase == "cannikin" else None)
     table.add_column("", style="dim")
     for row in table_rows(report):
         table.add_row(*row)

@@ -16,7 +16,7 @@ from cannikin.demo.config import DemoConfig
 from cannikin.demo.digits import save_digits_split
 from cannikin.demo.launch import run_local, torchrun_command, worker_env
 from cannikin.demo.metrics import JsonlTail, LineTail, read_jsonl
-from cannikin.demo.report import PHASE_TITLES, build_report
+from cannikin.demo.report import build_report
 from cannikin.runtime.quota import QuotaGroups
 
 logger = logging.getLogger(__name__)
@@ -28,10 +28,11 @@ def run_demo(
     config: DemoConfig, *, out_dir: Path, timeout_s: float, console: Console,
     show_progress: bool = True, plot_path: Path | None = None,
 ) -> dict[str, Any]:
-    """Train both phases on a local cluster and return the report (see :mod:`report`);
-    with ``plot_path``, also draw the figure there. With ``config.cpu_shares`` the workers
-    run in CPU-quota groups made for this run (``QuotaUnavailable`` if cgroups are not
-    writable) and removed after it; otherwise their speeds are emulated."""
+    """Train every phase (:attr:`DemoConfig.phases`) on a local cluster and return the
+    report (see :mod:`report`); with ``plot_path``, also draw the figure there. With
+    ``config.cpu_shares`` the workers run in CPU-quota groups made for this run
+    (``QuotaUnavailable`` if cgroups are not writable) and removed after it; otherwise
+    their speeds are emulated."""
     from cannikin.demo.progress import DemoProgress
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -53,7 +54,8 @@ def run_demo(
             groups = stack.enter_context(QuotaGroups.create(config.cpu_shares))
             env = worker_env(None, groups.env())
         bar = stack.enter_context(
-            DemoProgress(config.sample_budget(train_size), console, show_progress))
+            DemoProgress(config.sample_budget(train_size), [p for p, _ in config.phases],
+                         console, show_progress))
 
         def poll() -> None:
             bar.update(metrics.read_new())
@@ -64,10 +66,11 @@ def run_demo(
         run_local(command, env=env, log_path=out_dir / files.WORKER_LOG, timeout_s=timeout_s,
                   on_poll=poll)
     wall_s = time.monotonic() - start
-    results = {p: files.read_json(out_dir / files.result_name(p)) for p in PHASE_TITLES}
+    phases = [p for p, _ in config.phases]
+    results = {p: files.read_json(out_dir / files.result_name(p)) for p in phases}
     ranks = {
         p: [files.read_json(out_dir / files.rank_name(p, r)) for r in range(config.workers)]
-        for p in PHASE_TITLES
+        for p in phases
     }
     records = read_jsonl(out_dir / files.METRICS)
     report = build_report(config, results, records, ranks)

@@ -1,5 +1,6 @@
 """One demo worker, started by torchrun: trains the digits CNN with an even split, then with
-Cannikin, on the same samples, and writes what the parent needs to report.
+Cannikin, on the same samples, and writes what the parent needs to report. With a target
+accuracy an AdaptDL-like run comes between them, and each run stops at the target.
 
 Run as ``python -m cannikin.demo.worker --config CONFIG.json --out DIR`` under torchrun. Files
 written into DIR (see :mod:`cannikin.demo.files`): rank 0 appends per-step metrics to the
@@ -40,8 +41,6 @@ from cannikin.runtime.quota import join_from_env
 
 logger = logging.getLogger("cannikin.demo.worker")  # __name__ is "__main__" under torchrun
 
-PHASES = (("even", "even"), ("cannikin", "optimal"))
-"""(phase name, HeteroDataParallel split): the DDP baseline first, then Cannikin."""
 MOMENTUM = 0.9
 EMULATED_PROFILE = (0.008, 0.0008)
 """(fixed_s, per_sample_s) of the fastest emulated worker's forward pass (slowdown 1; the
@@ -61,6 +60,57 @@ def _evaluate(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[f
     return loss, accuracy
 
 
+class _TargetWatch:
+    """The time-to-accuracy stop (``config.target``): every ``config.eval_every`` samples
+    rank 0 evaluates a copy of the weights on the held-out images (at full speed: the copy
+    carries no emulated slowdown), logs it, and tells every rank whether to stop. The time
+    it takes is kept out of the run's training time, but the step after it is measured
+    longer by its pause (a step time, not a compute time: the fits do not see it)."""
+
+    def __init__(self, config: DemoConfig, data: DigitsSplit, out: Path, phase: str,
+                 rank: int) -> None:
+        self.config, self.data, self.rank = config, data, rank
+        self.sink = (JsonlSink(out / files.METRICS, phase=phase, kind="eval")
+                     if rank == 0 and config.target is not None else None)
+        with torch.random.fork_rng():  # rank 0's draws must not differ from the others'
+            self.copy = DigitsCNN() if rank == 0 else None
+        self.next_eval = config.eval_every
+        self.eval_s = 0.0
+        self.reached = False
+        self.at: dict[str, Any] | None = None
+        self.accuracies: list[float] = []
+
+    def check(self, net: torch.nn.Module, seen: int, steps: int, elapsed_s: float) -> bool:
+        """After a step: evaluate if due; True once the target is reached (on every rank)."""
+        if self.config.target is None or seen < self.next_eval:
+            return False
+        begin = time.perf_counter()
+        self.next_eval = (seen // self.config.eval_every + 1) * self.config.eval_every
+        flag = torch.zeros(1)
+        if self.copy is not None and self.sink is not None:
+            self.copy.load_state_dict(net.state_dict())
+            _, accuracy = _evaluate(self.copy, self.data.test_x, self.data.test_y)
+            train_s = elapsed_s - self.eval_s
+            self.accuracies.append(accuracy)
+            self.sink.log({"accuracy": accuracy, "samples": seen, "train_s": train_s}, steps)
+            if accuracy >= self.config.target:
+                flag[0] = 1.0
+                self.at = {"time_to_target_s": train_s, "steps_to_target": steps,
+                           "samples_to_target": seen}
+        dist.broadcast(flag, src=0)
+        self.reached = bool(flag[0] > 0)
+        self.eval_s += time.perf_counter() - begin
+        return self.reached
+
+    def summary(self) -> dict[str, Any]:
+        """What rank 0's result gets: the target, and when it was reached (None: never)."""
+        if self.sink is not None:
+            self.sink.close()
+        reached = self.at or {"time_to_target_s": None, "steps_to_target": None,
+                              "samples_to_target": None}
+        return {"target": self.config.target, "evaluations": len(self.accuracies), **reached}
+
+
 def _train_phase(
     config: DemoConfig, ctx: DistContext, data: DigitsSplit, phase: str, split: str, out: Path
 ) -> None:
@@ -68,7 +118,7 @@ def _train_phase(
     net = DigitsCNN()
     optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=MOMENTUM, nesterov=True)
     loader = HeteroDataLoader(data.train, batch_size=config.batch_size, seed=config.seed)
-    if config.adaptive_batch and split == "optimal":
+    if config.adapts_batch(split):
         loader.autoscale_batch_size(
             config.max_batch_size, local_bsz_bounds=(1, config.max_batch_size)
         )
@@ -83,9 +133,10 @@ def _train_phase(
     budget = config.sample_budget(len(data.train))
     seen = steps = 0
     indices: list[list[int]] = []
+    target = _TargetWatch(config, data, out, phase, ctx.rank)
     dist.barrier()
     start = time.perf_counter()
-    while seen < budget:
+    while seen < budget and not target.reached:
         indices.append([])
         for x, y, index in loader:
             optimizer.zero_grad()
@@ -99,13 +150,14 @@ def _train_phase(
             if losses is not None:  # rank 0's own samples only: no extra collective per step
                 losses.log(
                     {"rank0_loss": loss.item(), "rank0_batch": len(y), "samples": seen,
-                     "total_batch": total_batch, "wall_s": time.perf_counter() - start},
+                     "total_batch": total_batch,
+                     "wall_s": time.perf_counter() - start - target.eval_s},
                     steps,
                 )
-            if seen >= budget:
+            if target.check(net, seen, steps, time.perf_counter() - start) or seen >= budget:
                 break
     dist.barrier()
-    wall_s = time.perf_counter() - start
+    wall_s = time.perf_counter() - start - target.eval_s
     model.remove_hooks()  # also ends the emulated slowdown before the evaluation
     files.write_json(
         out / files.rank_name(phase, ctx.rank),
@@ -135,6 +187,9 @@ def _train_phase(
             "local_batches": list(model.plan.local_batches),
             "prediction_error_median": tracker.median_window_error(),
             "prediction_error_step_median": tracker.median_step_error(),
+            "mean_batch": seen / steps if steps else None,
+            "final_batch": int(model.plan.total_batch),
+            **target.summary(),
         }
         files.write_json(out / files.result_name(phase), result)
         logger.info("%s: %d steps, %d samples in %.1f s, accuracy %.3f",
@@ -158,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = load_digits_split(args.out / digits.FILE)
     logger.info("digits loaded: %d training, %d held-out images", len(data.train),
                 len(data.test_y))
-    for phase, split in PHASES:
+    for phase, split in config.phases:
         _train_phase(config, ctx, data, phase, split, args.out)
     destroy_distributed()
     return 0
