@@ -31,7 +31,7 @@ from cannikin.demo.digits import save_digits_split
 from cannikin.demo.model import DigitsCNN
 from cannikin.gns import NoiseScaleTracker
 
-SPLIT = (3, 3, 16, 42)
+SPLIT = [3, 3, 16, 42]
 SMOOTHINGS = (0.999, 0.99, 0.9)
 
 
@@ -90,7 +90,7 @@ def main() -> int:
         for start in range(0, len(x) - batch + 1, batch):
             index = perm[start:start + batch]
             per_sample = _per_sample_gradients(model, x[index], y[index])
-            local = [float(part.mean(0).pow(2).sum()) for part in torch.split(per_sample, list(SPLIT))]
+            local = [float(part.mean(0).pow(2).sum()) for part in torch.split(per_sample, SPLIT)]
             total = float(per_sample.mean(0).pow(2).sum())
             for tracker in trackers.values():
                 tracker.update(local, SPLIT, total)
