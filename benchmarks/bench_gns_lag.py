@@ -33,6 +33,7 @@ from cannikin.gns import NoiseScaleTracker
 
 SPLIT = [3, 3, 16, 42]
 SMOOTHINGS = (0.999, 0.99, 0.9)
+"""Plain averages (no restarts) beside the tracker as the planner makes it."""
 
 
 def _per_sample_gradients(model: torch.nn.Module, x: torch.Tensor,
@@ -68,6 +69,8 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--every", type=int, default=20, help="steps between rows")
     parser.add_argument("--sigmas", type=float, default=2.0, help="PlannerConfig.gns_sigmas")
+    parser.add_argument("--restart-sigmas", type=float, default=4.0)
+    parser.add_argument("--restart-smoothing", type=float, default=0.95)
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,10 +83,14 @@ def main() -> int:
     model = DigitsCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
     batch = sum(SPLIT)
-    trackers = {s: NoiseScaleTracker(s, init_batch=batch) for s in SMOOTHINGS}
+    trackers = {s: NoiseScaleTracker(s, init_batch=batch, restart_sigmas=None)
+                for s in SMOOTHINGS}
+    used = NoiseScaleTracker(init_batch=batch, restart_sigmas=args.restart_sigmas,
+                             restart_smoothing=args.restart_smoothing)
     order = torch.Generator().manual_seed(0)
     print(f"{'step':>5} {'acc':>6} {'true':>7} "
-          + " ".join(f"{s:>8}" for s in SMOOTHINGS) + f" {'cautious':>9}")
+          + " ".join(f"{s:>8}" for s in SMOOTHINGS)
+          + f" {'used':>8} {'cautious':>9} restarts")
     step = 0
     for _ in range(args.epochs):
         perm = torch.randperm(len(x), generator=order)
@@ -92,7 +99,7 @@ def main() -> int:
             per_sample = _per_sample_gradients(model, x[index], y[index])
             local = [float(part.mean(0).pow(2).sum()) for part in torch.split(per_sample, SPLIT)]
             total = float(per_sample.mean(0).pow(2).sum())
-            for tracker in trackers.values():
+            for tracker in (*trackers.values(), used):
                 tracker.update(local, SPLIT, total)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x[index]), y[index]).backward()
@@ -103,10 +110,11 @@ def main() -> int:
             with torch.no_grad():
                 accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
             estimates = " ".join(f"{t.noise_scale():8.1f}" for t in trackers.values())
-            cautious = _cautious(trackers[SMOOTHINGS[0]], args.sigmas)
+            cautious = _cautious(used, args.sigmas)
             shown = "-" if cautious is None else f"{cautious:.1f}"
             print(f"{step:5d} {100 * accuracy:5.1f}% {_true_noise_scale(model, x, y):7.1f} "
-                  f"{estimates} {shown:>9}", flush=True)
+                  f"{estimates} {used.noise_scale():8.1f} {shown:>9} {used.restarts:8d}",
+                  flush=True)
     return 0
 
 

@@ -327,6 +327,47 @@ def test_tracker_converges_to_the_true_noise_scale() -> None:
     assert tracker.noise_scale() == pytest.approx(300.0, rel=0.12)
 
 
+def _drop_run(rng: np.random.Generator, tracker: gns.NoiseScaleTracker) -> list[float]:
+    """|G|^2 falls 30x after 150 steps (noise scale 10 -> 300, tr(Sigma) the same), as
+    when a model leaves its learning phase; the tracker's noise scale after every step."""
+    batches = [3, 3, 16, 42]
+    before = make_truth(rng, 200, noise_scale=10.0)
+    after = Truth(g=before.g / math.sqrt(30.0), sigma2=before.sigma2)
+    readings = []
+    for truth, steps in ((before, 150), (after, 350)):
+        x, y = sample_sqnorms(rng, truth, batches, steps)
+        for xt, yt in zip(x, y, strict=True):
+            tracker.update(xt, batches, yt)
+            readings.append(tracker.noise_scale())
+    return readings
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tracker_follows_a_falling_grad_sqr(seed: int) -> None:
+    # AdaptDL's 0.999^(B/B0) average alone spans ~1000 steps: 350 steps after the fall the
+    # learning phase's |G|^2 still holds it up (the demo's CNN read 10x low, bench_gns_lag)
+    plain = _drop_run(np.random.default_rng(seed),
+                      gns.NoiseScaleTracker(init_batch=64, restart_sigmas=None))
+    tracker = gns.NoiseScaleTracker(init_batch=64)
+    used = _drop_run(np.random.default_rng(seed), tracker)
+    assert plain[-1] < 100.0  # the lag this guards against
+    assert tracker.restarts >= 1
+    assert 150.0 <= np.median(used[-100:]) <= 600.0  # 240-382 over seeds 0-19
+    assert 5.0 <= np.median(used[100:150]) <= 20.0  # and before the fall it held
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tracker_rarely_restarts_when_nothing_changes(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    batches = [3, 3, 16, 42]
+    x, y = sample_sqnorms(rng, make_truth(rng, 200, noise_scale=300.0), batches, 1000)
+    tracker = gns.NoiseScaleTracker(init_batch=64)
+    for xt, yt in zip(x, y, strict=True):
+        tracker.update(xt, batches, yt)
+    assert tracker.restarts <= 3  # 0-2 over seeds 0-19
+    assert tracker.noise_scale() == pytest.approx(300.0, rel=0.1)  # 291-309 over 20 seeds
+
+
 def test_tracker_bias_correction_and_batch_weighting() -> None:
     tracker = gns.NoiseScaleTracker(smoothing=0.9)
     tracker.update([1.2, 1.0], [10, 30], 0.9)
@@ -364,7 +405,8 @@ def test_tracker_state_round_trips_through_json() -> None:
     state = json.loads(json.dumps(tracker.state_dict()))
     restored = gns.NoiseScaleTracker(smoothing=0.95)
     restored.load_state_dict(state)
-    assert restored.noise_scale() == tracker.noise_scale()
+    saved_scale = tracker.noise_scale()
+    assert restored.noise_scale() == saved_scale
     tracker.update([1.1, 1.2], [5, 5], 0.6)
     restored.update([1.1, 1.2], [5, 5], 0.6)
     assert restored.state_dict() == tracker.state_dict()
@@ -376,3 +418,12 @@ def test_tracker_state_round_trips_through_json() -> None:
         restored.load_state_dict({**state, "num_updates": 0})
     restored.reset()
     assert restored.noise_scale() is None and restored.num_updates == 0
+    # a version-2 state (before restarts): the short average starts as the long one
+    older = {k: v for k, v in state.items() if not k.startswith("short_") and k != "restarts"}
+    restored.load_state_dict({**older, "version": 2})
+    assert restored.noise_scale() == saved_scale
+    assert restored.num_updates == state["num_updates"] == 4
+    with pytest.raises(ValueError, match="restart_sigmas"):
+        gns.NoiseScaleTracker(restart_sigmas=0.0)
+    with pytest.raises(ValueError, match="restart_smoothing"):
+        gns.NoiseScaleTracker(restart_smoothing=1.0)

@@ -72,6 +72,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -95,7 +96,7 @@ FloatArray = npt.NDArray[np.float64]
 # capping it keeps efficiency (phi + B0) / (phi + B) finite when |G|^2 is estimated as 0.
 MAX_NOISE_SCALE = 1e12
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 
 
 def _all_finite_nonnegative(values: FloatArray) -> bool:
@@ -237,6 +238,68 @@ def estimator_covariance(
     return cov_sqr
 
 
+@dataclass
+class _Average:
+    """A bias-corrected exponential average of per-step ``(|G|^2, tr(Sigma))`` estimates,
+    with the spread of the ``|G|^2`` ones for its standard error."""
+
+    sqr: float = 0.0
+    var: float = 0.0
+    unbias: float = 0.0
+    sqr2: float = 0.0  # the same average of |G|^2 estimates squared
+    weight2: float = 0.0  # the sum of the squared weights (for the standard error)
+    updates: int = 0
+
+    def add(self, theta: float, grad_sqr: float, grad_var: float) -> None:
+        self.sqr = theta * self.sqr + (1.0 - theta) * grad_sqr
+        self.var = theta * self.var + (1.0 - theta) * grad_var
+        self.unbias = theta * self.unbias + (1.0 - theta)
+        self.sqr2 = theta * self.sqr2 + (1.0 - theta) * grad_sqr * grad_sqr
+        self.weight2 = theta * theta * self.weight2 + (1.0 - theta) ** 2
+        self.updates += 1
+
+    def mean_sqr(self) -> float | None:
+        return self.sqr / self.unbias if self.updates else None
+
+    def mean_var(self) -> float | None:
+        return self.var / self.unbias if self.updates else None
+
+    def sqr_error(self) -> float:
+        """Standard error of :meth:`mean_sqr`: the weighted variance of the estimates,
+        corrected for the weights' bias, times the sum of the squared normalised weights;
+        ``inf`` before two updates."""
+        if self.updates < 2 or self.weight2 <= 0:
+            return math.inf
+        mean = self.sqr / self.unbias
+        spread = max(self.sqr2 / self.unbias - mean * mean, 0.0)
+        concentration = self.weight2 / (self.unbias * self.unbias)  # sum w_k^2, sum w_k = 1
+        if concentration >= 1.0:
+            return math.inf
+        return math.sqrt(spread / (1.0 - concentration) * concentration)
+
+    def state(self, prefix: str) -> dict[str, float | int]:
+        return {f"{prefix}sqr_biased": self.sqr, f"{prefix}var_biased": self.var,
+                f"{prefix}unbias": self.unbias, f"{prefix}sqr2_biased": self.sqr2,
+                f"{prefix}weight2": self.weight2, f"{prefix}num_updates": self.updates}
+
+    @classmethod
+    def from_state(cls, state: dict[str, float | int], prefix: str) -> _Average:
+        """The average saved by :meth:`state`; a version-1 state has no spread (its standard
+        error is unknown, inf, from there). ValueError for invalid values."""
+        values = [float(state[prefix + k]) for k in ("sqr_biased", "var_biased", "unbias")]
+        if not all(math.isfinite(v) for v in values) or not 0.0 <= values[2] <= 1.0:
+            raise ValueError(f"noise-scale state has invalid values: {state}")
+        updates = state[prefix + "num_updates"]
+        if int(updates) != updates or updates < 0 or (updates > 0) != (values[2] > 0):
+            raise ValueError(
+                f"noise-scale state {prefix}num_updates={updates} is inconsistent with "
+                f"{prefix}unbias={values[2]}"
+            )
+        return cls(sqr=values[0], var=values[1], unbias=values[2],
+                   sqr2=float(state.get(prefix + "sqr2_biased", 0.0)),
+                   weight2=float(state.get(prefix + "weight2", 0.0)), updates=int(updates))
+
+
 class NoiseScaleTracker:
     """Smoothed ``|G|^2``, ``tr(Sigma)`` and noise scale across steps.
 
@@ -246,27 +309,43 @@ class NoiseScaleTracker:
     ``init_batch`` is given, so a step of ``B`` samples counts as ``B / init_batch`` steps of
     the initial batch (AdaptDL's choice).  Before the first update :attr:`grad_sqr`,
     :attr:`grad_var` and :meth:`noise_scale` are ``None``.
+
+    That average spans ~1000 steps, and in training ``|G|^2`` can fall 100x within a hundred
+    (the demo's CNN on digits, ``benchmarks/bench_gns_lag.py``): the learning phase's values
+    then hold the average up and the noise scale reads 10x low for hundreds of steps. So a
+    short average (``restart_smoothing``) runs beside it, and when its ``|G|^2`` differs
+    from the long one's by more than ``restart_sigmas`` of its own standard errors, the long
+    average restarts from the short one (:attr:`restarts` counts them). None: never.
     """
 
-    def __init__(self, smoothing: float = 0.999, *, init_batch: float | None = None) -> None:
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    def __init__(self, smoothing: float = 0.999, *, init_batch: float | None = None,
+                 restart_smoothing: float = 0.95, restart_sigmas: float | None = 4.0) -> None:
+        for name, value in (("smoothing", smoothing), ("restart_smoothing", restart_smoothing)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
         if init_batch is not None and not (init_batch > 0 and math.isfinite(init_batch)):
             raise ValueError(f"init_batch must be finite and > 0 (or None), got {init_batch}")
+        if restart_sigmas is not None and not (restart_sigmas > 0
+                                               and math.isfinite(restart_sigmas)):
+            raise ValueError(f"restart_sigmas must be finite and > 0 (or None), got "
+                             f"{restart_sigmas}")
         self.smoothing = smoothing
         self.init_batch = init_batch
-        self._sqr_biased = 0.0
-        self._var_biased = 0.0
-        self._unbias = 0.0
-        self._sqr2_biased = 0.0  # the same average of |G|^2 estimates squared
-        self._weight2 = 0.0  # the sum of the squared weights (for the standard error)
-        self.num_updates = 0
+        self.restart_smoothing = restart_smoothing
+        self.restart_sigmas = restart_sigmas
+        self._long = _Average()
+        self._short = _Average()
+        self.restarts = 0
+
+    @property
+    def num_updates(self) -> int:
+        """Steps folded in since the start or the last :meth:`reset` (the count of the short
+        average, which is never restarted)."""
+        return self._short.updates
 
     def reset(self) -> None:
         """Forget all updates, e.g. when the gradient space changes (see Preconditioner)."""
-        self._sqr_biased = self._var_biased = self._unbias = 0.0
-        self._sqr2_biased = self._weight2 = 0.0
-        self.num_updates = 0
+        self._long, self._short = _Average(), _Average()
 
     def update(
         self,
@@ -288,41 +367,43 @@ class NoiseScaleTracker:
             _as_batches(local_batches)
             return False
         grad_sqr, grad_var = estimate(x, local_batches, global_sqnorm)
-        theta = self.smoothing
-        if self.init_batch is not None:
-            theta **= float(np.sum(local_batches)) / self.init_batch
-        self._sqr_biased = theta * self._sqr_biased + (1.0 - theta) * grad_sqr
-        self._var_biased = theta * self._var_biased + (1.0 - theta) * grad_var
-        self._unbias = theta * self._unbias + (1.0 - theta)
-        self._sqr2_biased = theta * self._sqr2_biased + (1.0 - theta) * grad_sqr * grad_sqr
-        self._weight2 = theta * theta * self._weight2 + (1.0 - theta) ** 2
-        self.num_updates += 1
+        steps = 1.0 if self.init_batch is None else float(np.sum(local_batches)) / self.init_batch
+        self._long.add(self.smoothing ** steps, grad_sqr, grad_var)
+        self._short.add(self.restart_smoothing ** steps, grad_sqr, grad_var)
+        self._maybe_restart()
         return True
+
+    def _maybe_restart(self) -> None:
+        """Restart the long average from the short one when their |G|^2 disagree, once the
+        short one spans its window (its spread is a standard error only then)."""
+        short = self._short
+        if self.restart_sigmas is None or short.updates * (1.0 - self.restart_smoothing) < 1.0:
+            return
+        short_sqr, long_sqr = short.mean_sqr(), self._long.mean_sqr()
+        assert short_sqr is not None and long_sqr is not None
+        if abs(short_sqr - long_sqr) > self.restart_sigmas * short.sqr_error():
+            logger.debug("noise scale: |G|^2 of the last steps %.3g is off the long average "
+                         "%.3g by more than %g standard errors; the average restarts from "
+                         "them", short_sqr, long_sqr, self.restart_sigmas)
+            self._long = _Average(**vars(short))
+            self.restarts += 1
 
     @property
     def grad_sqr_error(self) -> float:
         """Standard error of :attr:`raw_grad_sqr` from the spread of the per-step estimates
-        (their weighted variance, corrected for the weights' bias, times the sum of the
-        squared normalised weights); ``inf`` before two updates. Far above B the noise
-        scale is a ratio over a |G|^2 estimate that noise can drive to 0 or below."""
-        if self.num_updates < 2 or self._weight2 <= 0:
-            return math.inf
-        mean = self._sqr_biased / self._unbias
-        spread = max(self._sqr2_biased / self._unbias - mean * mean, 0.0)
-        concentration = self._weight2 / (self._unbias * self._unbias)  # sum w_k^2, sum w_k = 1
-        if concentration >= 1.0:
-            return math.inf
-        return math.sqrt(spread / (1.0 - concentration) * concentration)
+        and the smoothing weights; ``inf`` before two updates. Far above B the noise scale is
+        a ratio over a |G|^2 estimate that noise can drive to 0 or below."""
+        return self._long.sqr_error()
 
     @property
     def raw_grad_sqr(self) -> float | None:
         """Smoothed ``|G|^2`` as averaged (may be negative while noise dominates)."""
-        return self._sqr_biased / self._unbias if self.num_updates else None
+        return self._long.mean_sqr()
 
     @property
     def raw_grad_var(self) -> float | None:
         """Smoothed per-sample ``tr(Sigma)`` as averaged (may be negative early on)."""
-        return self._var_biased / self._unbias if self.num_updates else None
+        return self._long.mean_var()
 
     @property
     def grad_sqr(self) -> float | None:
@@ -352,41 +433,34 @@ class NoiseScaleTracker:
 
     def state_dict(self) -> dict[str, float | int]:
         """Plain numbers only (JSON / ``torch.load(weights_only=True)`` safe)."""
-        return {
-            "version": _STATE_VERSION,
-            "sqr_biased": self._sqr_biased,
-            "var_biased": self._var_biased,
-            "unbias": self._unbias,
-            "sqr2_biased": self._sqr2_biased,
-            "weight2": self._weight2,
-            "num_updates": self.num_updates,
-        }
+        return {"version": _STATE_VERSION, **self._long.state(""),
+                **self._short.state(_SHORT), "restarts": self.restarts}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
-        """Restore :meth:`state_dict`; raises ValueError for a malformed or foreign state."""
-        expected = {"version", "sqr_biased", "var_biased", "unbias", "num_updates"}
-        if state.get("version") == _STATE_VERSION:
-            expected |= {"sqr2_biased", "weight2"}
+        """Restore :meth:`state_dict` (or an earlier version's: the short average then
+        starts as a copy of the long one); raises ValueError for a malformed or foreign
+        state."""
+        version = state.get("version")
+        if version not in _STATE_KEYS:
+            raise ValueError(
+                f"noise-scale state version {version} is not supported "
+                f"(expected one of {sorted(_STATE_KEYS)})"
+            )
+        expected = _STATE_KEYS[int(version)]
         if set(state) != expected:
             raise ValueError(
                 f"noise-scale state must have keys {sorted(expected)}, got {sorted(state)}"
             )
-        if state["version"] not in (1, _STATE_VERSION):
-            raise ValueError(
-                f"noise-scale state version {state['version']} is not supported "
-                f"(expected {_STATE_VERSION})"
-            )
-        values = [float(state[k]) for k in ("sqr_biased", "var_biased", "unbias")]
-        if not all(math.isfinite(v) for v in values) or not 0.0 <= values[2] <= 1.0:
-            raise ValueError(f"noise-scale state has invalid values: {state}")
-        updates = state["num_updates"]
-        if int(updates) != updates or updates < 0 or (updates > 0) != (values[2] > 0):
-            raise ValueError(
-                f"noise-scale state num_updates={updates} is inconsistent with "
-                f"unbias={values[2]}"
-            )
-        self._sqr_biased, self._var_biased, self._unbias = values
-        # a version-1 state has no spread: its standard error is unknown (inf) from here
-        self._sqr2_biased = float(state.get("sqr2_biased", 0.0))
-        self._weight2 = float(state.get("weight2", 0.0))
-        self.num_updates = int(updates)
+        long = _Average.from_state(state, "")
+        short = (_Average.from_state(state, _SHORT) if version == _STATE_VERSION
+                 else _Average(**vars(long)))
+        self._long, self._short = long, short
+        self.restarts = int(state.get("restarts", 0))
+
+
+_SHORT = "short_"
+_V1_KEYS = {"version", "sqr_biased", "var_biased", "unbias", "num_updates"}
+_V2_KEYS = _V1_KEYS | {"sqr2_biased", "weight2"}
+_STATE_KEYS = {1: _V1_KEYS, 2: _V2_KEYS,
+               _STATE_VERSION: _V2_KEYS | {_SHORT + k for k in _V2_KEYS - {"version"}}
+               | {"restarts"}}
