@@ -356,6 +356,36 @@ def test_tracker_follows_a_falling_grad_sqr(seed: int) -> None:
     assert 5.0 <= np.median(used[100:150]) <= 20.0  # and before the fall it held
 
 
+def _spike_run(rng: np.random.Generator, tracker: gns.NoiseScaleTracker) -> list[float]:
+    """Noise scale 300 with one step's gradient 30x larger after 30 steps (a loss spike,
+    e.g. after the LR grew with B); the tracker's noise scale after every step."""
+    batches = [36, 60, 109]
+    truth = make_truth(rng, 200, noise_scale=300.0)
+    x, y = sample_sqnorms(rng, truth, batches, 400)
+    x_spike, y_spike = sample_sqnorms(rng, Truth(g=30.0 * truth.g, sigma2=truth.sigma2),
+                                      batches, 1)
+    x = np.concatenate([x[:30], x_spike, x[30:]])
+    y = np.concatenate([y[:30], y_spike, y[30:]])
+    steps = zip(x, y, strict=True)
+    readings = []
+    for xt, yt in steps:
+        tracker.update(xt, batches, yt)
+        readings.append(tracker.noise_scale())
+    return readings
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tracker_recovers_from_one_gradient_spike(seed: int) -> None:
+    # seen on quota workers: B went to 205, then one step's |G|^2 sent the noise scale from
+    # 280 to 2.6, and the batch back to B0 for the rest of the run
+    plain = _spike_run(np.random.default_rng(seed),
+                       gns.NoiseScaleTracker(init_batch=64, restart_sigmas=None))
+    used = _spike_run(np.random.default_rng(seed), gns.NoiseScaleTracker(init_batch=64))
+    assert plain[31] < 20.0 and used[31] < 20.0  # the spike itself moves both
+    assert plain[200] < 100.0  # 66-67 over seeds 0-9; 134-138 at the end
+    assert 200.0 <= used[100] <= 400.0  # 248-306 over seeds 0-9
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_tracker_rarely_restarts_when_nothing_changes(seed: int) -> None:
     rng = np.random.default_rng(seed)
