@@ -72,6 +72,9 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.97)
     parser.add_argument("--epochs", type=int, default=20, help="budget per run")
     args = parser.parse_args()
+    if args.repeats < 1 or not 0 < args.target < 1:
+        parser.error(f"need --repeats >= 1 (got {args.repeats}) and 0 < --target < 1 "
+                     f"(got {args.target})")
     kinds = ["emulate", "quota"]
     ratios: dict[str, dict[str, list[float]]] = {k: {"even": [], "adaptdl": []} for k in kinds}
     with tempfile.TemporaryDirectory(prefix="bench-target-") as tmp:
