@@ -56,14 +56,6 @@ def _true_noise_scale(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) 
     return float(spread / (mean @ mean))
 
 
-def _cautious(tracker: NoiseScaleTracker, sigmas: float) -> float | None:
-    """The planner's rule (``Planner._cautious_noise_scale``) on one tracker."""
-    raw, var = tracker.raw_grad_sqr, tracker.grad_var
-    if raw is None or var is None or not raw > 0:
-        return None
-    return var / (raw + sigmas * tracker.grad_sqr_error)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=10)
@@ -110,7 +102,7 @@ def main() -> int:
             with torch.no_grad():
                 accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
             estimates = " ".join(f"{t.noise_scale():8.1f}" for t in trackers.values())
-            cautious = _cautious(used, args.sigmas)
+            cautious = used.cautious_noise_scale(args.sigmas)
             shown = "-" if cautious is None else f"{cautious:.1f}"
             print(f"{step:5d} {100 * accuracy:5.1f}% {_true_noise_scale(model, x, y):7.1f} "
                   f"{estimates} {used.noise_scale():8.1f} {shown:>9} {used.restarts:8d}",

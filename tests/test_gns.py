@@ -327,19 +327,26 @@ def test_tracker_converges_to_the_true_noise_scale() -> None:
     assert tracker.noise_scale() == pytest.approx(300.0, rel=0.12)
 
 
-def _drop_run(rng: np.random.Generator, tracker: gns.NoiseScaleTracker) -> list[float]:
+def _feed(tracker: gns.NoiseScaleTracker, x: np.ndarray, y: np.ndarray,
+          batches: list[int]) -> list[float | None]:
+    """Fold in every step of (x, y); the tracker's noise scale after each."""
+    readings = []
+    for xt, yt in zip(x, y, strict=True):
+        tracker.update(xt, batches, yt)
+        readings.append(tracker.noise_scale())
+    return readings
+
+
+def _drop_run(rng: np.random.Generator, tracker: gns.NoiseScaleTracker) -> list[float | None]:
     """|G|^2 falls 30x after 150 steps (noise scale 10 -> 300, tr(Sigma) the same), as
     when a model leaves its learning phase; the tracker's noise scale after every step."""
     batches = [3, 3, 16, 42]
     before = make_truth(rng, 200, noise_scale=10.0)
     after = Truth(g=before.g / math.sqrt(30.0), sigma2=before.sigma2)
-    readings = []
-    for truth, steps in ((before, 150), (after, 350)):
-        x, y = sample_sqnorms(rng, truth, batches, steps)
-        for xt, yt in zip(x, y, strict=True):
-            tracker.update(xt, batches, yt)
-            readings.append(tracker.noise_scale())
-    return readings
+    x_before, y_before = sample_sqnorms(rng, before, batches, 150)
+    x_after, y_after = sample_sqnorms(rng, after, batches, 350)
+    return _feed(tracker, np.concatenate([x_before, x_after]),
+                 np.concatenate([y_before, y_after]), batches)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -356,7 +363,7 @@ def test_tracker_follows_a_falling_grad_sqr(seed: int) -> None:
     assert 5.0 <= np.median(used[100:150]) <= 20.0  # and before the fall it held
 
 
-def _spike_run(rng: np.random.Generator, tracker: gns.NoiseScaleTracker) -> list[float]:
+def _spike_run(rng: np.random.Generator, tracker: gns.NoiseScaleTracker) -> list[float | None]:
     """Noise scale 300 with one step's gradient 30x larger after 30 steps (a loss spike,
     e.g. after the LR grew with B); the tracker's noise scale after every step."""
     batches = [36, 60, 109]
@@ -364,14 +371,8 @@ def _spike_run(rng: np.random.Generator, tracker: gns.NoiseScaleTracker) -> list
     x, y = sample_sqnorms(rng, truth, batches, 400)
     x_spike, y_spike = sample_sqnorms(rng, Truth(g=30.0 * truth.g, sigma2=truth.sigma2),
                                       batches, 1)
-    x = np.concatenate([x[:30], x_spike, x[30:]])
-    y = np.concatenate([y[:30], y_spike, y[30:]])
-    steps = zip(x, y, strict=True)
-    readings = []
-    for xt, yt in steps:
-        tracker.update(xt, batches, yt)
-        readings.append(tracker.noise_scale())
-    return readings
+    return _feed(tracker, np.concatenate([x[:30], x_spike, x[30:]]),
+                 np.concatenate([y[:30], y_spike, y[30:]]), batches)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -392,8 +393,7 @@ def test_tracker_rarely_restarts_when_nothing_changes(seed: int) -> None:
     batches = [3, 3, 16, 42]
     x, y = sample_sqnorms(rng, make_truth(rng, 200, noise_scale=300.0), batches, 1000)
     tracker = gns.NoiseScaleTracker(init_batch=64)
-    for xt, yt in zip(x, y, strict=True):
-        tracker.update(xt, batches, yt)
+    _feed(tracker, x, y, batches)
     assert tracker.restarts <= 3  # 0-2 over seeds 0-19
     assert tracker.noise_scale() == pytest.approx(300.0, rel=0.1)  # 291-309 over 20 seeds
 

@@ -431,6 +431,19 @@ class NoiseScaleTracker:
             return MAX_NOISE_SCALE
         return var / sqr
 
+    def cautious_noise_scale(self, sigmas: float) -> float | None:
+        """tr(Sigma) over |G|^2 raised by ``sigmas`` of its standard errors, a low estimate
+        that grows as the evidence does; None before an estimate, with |G|^2 <= 0 or the
+        noise scale capped, where the gradient is not told from the noise yet."""
+        raw, var, noise = self.raw_grad_sqr, self.grad_var, self.noise_scale()
+        if raw is None or var is None or noise is None or not raw > 0 or (
+                noise >= MAX_NOISE_SCALE):
+            return None
+        error = self.grad_sqr_error
+        if not math.isfinite(error):
+            return None
+        return var / (raw + sigmas * error)
+
     def state_dict(self) -> dict[str, float | int]:
         """Plain numbers only (JSON / ``torch.load(weights_only=True)`` safe)."""
         return {"version": _STATE_VERSION, **self._long.state(""),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cannikin.gns import MAX_NOISE_SCALE, NoiseScaleTracker
+from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size, choose_even_batch_size
 from cannikin.optperf import (
     CostlyWorker,
@@ -580,7 +580,7 @@ class Planner:
                 total = min(2 * total, cfg.max_batch)
                 reason = f"explore total batch {total}"
             elif cfg.max_batch is not None and cfg.world_size >= 2 and (
-                    cautious := self._cautious_noise_scale()) is not None:
+                    cautious := self.noise.cautious_noise_scale(cfg.gns_sigmas)) is not None:
                 choose = choose_even_batch_size if cfg.split == "adaptdl" else choose_batch_size
                 choice = choose(cluster, cautious, cfg.init_batch, cfg.max_batch, current=total)
                 total = choice.total_batch
@@ -628,21 +628,6 @@ class Planner:
         if self.log_plans:
             self._log(record, cluster, changed)
         return record
-
-    def _cautious_noise_scale(self) -> float | None:
-        """The noise scale the batch is chosen by: tr(Sigma) over |G|^2 raised by
-        ``gns_sigmas`` of its standard errors, a low estimate that grows as the evidence
-        does; None (the batch stays) before an estimate, with |G|^2 <= 0 or capped, where
-        the gradient is not told from the noise yet."""
-        raw, var = self.noise.raw_grad_sqr, self.noise.grad_var
-        noise = self.noise.noise_scale()
-        if raw is None or var is None or noise is None or not raw > 0 or (
-                noise >= MAX_NOISE_SCALE):
-            return None
-        error = self.noise.grad_sqr_error
-        if not math.isfinite(error):
-            return None
-        return var / (raw + self.config.gns_sigmas * error)
 
     def _log(self, record: PlanRecord, cluster: ClusterModel | None, changed: bool) -> None:
         """One INFO line for a new split or total batch (a re-plan that keeps both is DEBUG),
