@@ -252,9 +252,7 @@ def choose_even_batch_size(
         splits = totals[None, :] // n + (np.arange(n)[:, None] < totals[None, :] % n)
     else:
         splits = np.array([share_split(int(t), np.ones(n), caps) for t in totals]).T
-    arr = cluster.arrays
-    times = np.max(arr.offsets[:, :, None] + arr.slopes[:, :, None] * splits[:, None, :],
-                   axis=(0, 1))
+    times = np.max(cluster.node_times(splits), axis=0)
     goodput = totals * _efficiency(totals.astype(np.float64), init_batch, phi) / times
     k = int(np.argmax(goodput))
     if current is not None and lo <= current <= hi:

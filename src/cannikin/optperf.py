@@ -78,10 +78,11 @@ def checked_arrays(cluster: ClusterModel) -> ClusterArrays:
     arr = cluster.arrays
     bad = np.argwhere(arr.slopes <= 0)
     if bad.size:
-        i, j = (int(v) for v in bad[0])
+        row, j = (int(v) for v in bad[0])
+        i = int(arr.owner[row])
         node = cluster.nodes[i]
         raise ValueError(
-            f"node {i} ({node.name!r}): time per sample f1 + rho_j*k1 = {arr.slopes[i, j]:g} "
+            f"node {i} ({node.name!r}): time per sample f1 + rho_j*k1 = {arr.slopes[row, j]:g} "
             f"for bucket {j} must be > 0 (fwd={node.fwd}, bwd={node.bwd})"
         )
     return arr
@@ -171,7 +172,7 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
     )).astype(np.float64)
     slope_after = wide.astype(np.float64)
     return _Breakpoints(times=times, supply=supply, slope_after=slope_after,
-                        t_min=float(np.max(lo_t)))
+                        t_min=float(np.max(lo_t[arr.in_use])))
 
 
 def _curve(arr: ClusterArrays, bp: _Breakpoints) -> StepTimeCurve:
@@ -311,13 +312,19 @@ def _hand_out(arr: ClusterArrays, base: IntArray, remaining: int) -> IntArray:
 
 
 def _integer_split(arr: ClusterArrays, bp: _Breakpoints, total_batch: int) -> Plan:
-    cont = _continuous(arr, bp, float(total_batch))
-    base = np.maximum(np.floor(cont), arr.lo).astype(np.int64)
+    """The floor of the continuous split, then single samples to whoever finishes them
+    first. Per worker, not per row: a worker's rows are filled in order before the
+    hand-out (the continuous split may spread a worker's batch over rows otherwise where
+    their times tie), so each row's next sample is the worker's next one."""
+    lo = arr.worker_totals(arr.lo)
+    cont = arr.worker_totals(_continuous(arr, bp, float(total_batch)))
+    base = np.maximum(np.floor(cont), lo).astype(np.int64)
     while int(base.sum()) > total_batch:  # only after float slack: undo the latest finisher
-        over = np.where(base > arr.lo, _times(arr, base.astype(np.float64)), -np.inf)
+        over = np.where(base > lo, arr.worker_times(base.astype(np.float64)), -np.inf)
         base[int(np.argmax(over))] -= 1
-    local = _hand_out(arr, base, total_batch - int(base.sum()))
-    step = float(np.max(_times(arr, local.astype(np.float64))))
+    rows = arr.row_amounts(base.astype(np.float64)).astype(np.int64)
+    local = arr.worker_totals(_hand_out(arr, rows, total_batch - int(base.sum())))
+    step = float(np.max(arr.worker_times(local)))
     return Plan(local_batches=tuple(int(v) for v in local), step_time=step)
 
 
@@ -361,8 +368,8 @@ class Splitter:
         if last < first:
             raise ValueError(f"last={last} must be >= first={first}")
         start = self.split(first)
-        _, finish = _cheapest(self._arr, np.array(start.local_batches, dtype=np.int64),
-                              last - first)
+        rows = self._arr.row_amounts(np.array(start.local_batches, dtype=np.float64))
+        _, finish = _cheapest(self._arr, rows.astype(np.int64), last - first)
         return np.concatenate([[start.step_time], np.maximum(start.step_time, finish)])
 
 
@@ -567,7 +574,7 @@ def proportional_split(
         raise ValueError(f"total_batch={total_batch!r} must be an integer >= 0")
     if throughput is None:
         even = np.full(n, max(total_batch / n, 1.0))
-        speed = even / _times(cluster.arrays, even)
+        speed = even / cluster.node_times(even)
     else:
         speed = np.asarray(throughput, dtype=np.float64)
         if speed.shape != (n,) or not np.all(np.isfinite(speed)) or np.any(speed <= 0):

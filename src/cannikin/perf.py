@@ -44,6 +44,20 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+def micro_batches(batch: int, cap: int | None) -> tuple[int, ...]:
+    """The micro-batch sizes of a local batch of ``batch`` under a memory cap of ``cap``
+    samples per pass (None: no cap): as few as fit, as even as can be, the larger first
+    (so the gradient is rescaled at most once between them). 0 samples are one empty pass:
+    the worker still joins the all-reduce."""
+    if not _is_int(batch) or batch < 0:
+        raise ValueError(f"batch={batch!r} must be an integer >= 0")
+    if cap is not None and (not _is_int(cap) or cap < 1):
+        raise ValueError(f"cap={cap!r} must be None or an integer >= 1")
+    count = 1 if cap is None or batch <= cap else -(-batch // cap)
+    size, extra = divmod(int(batch), count)
+    return (size + 1,) * extra + (size,) * (count - extra)
+
+
 @dataclass(frozen=True, kw_only=True)
 class FitConfig:
     """How :class:`NodeFitter` fits a line robustly and tells a lasting speed change."""
@@ -110,8 +124,11 @@ class NodeModel:
     """One worker's compute model: forward and backward seconds, linear in its local batch.
 
     ``fwd=(f0, f1)`` covers forward, data loading and the optimiser step; ``bwd=(k0, k1)``
-    the backward compute. ``min_batch``/``max_batch`` bound the local batch (``max_batch``
-    is the memory cap; ``None`` means unbounded). ``noise`` is the relative standard
+    the backward compute. ``min_batch``/``max_batch`` bound the local batch (``None``
+    means unbounded). ``micro_batch`` is the most samples one forward and backward may
+    hold (memory): a local batch above it runs as :func:`micro_batches` of it,
+    accumulated, and only the last one's backward overlaps the all-reduce (None: one
+    pass, ``max_batch`` is then the memory cap too). ``noise`` is the relative standard
     deviation of its compute time from step to step (0: deterministic): a step waits for
     the slowest worker *of that step*, so noise raises the expected step time above the
     max of the means (:meth:`ClusterModel.expected_step_time`).
@@ -123,6 +140,7 @@ class NodeModel:
     min_batch: int = 1
     name: str = ""
     noise: float = 0.0
+    micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fwd", _check_line("fwd", self.fwd, self.name))
@@ -143,6 +161,25 @@ class NodeModel:
         if not (math.isfinite(noise) and noise >= 0):
             raise ValueError(f"node {self.name!r}: noise={self.noise!r} must be finite and >= 0")
         object.__setattr__(self, "noise", noise)
+        if self.micro_batch is not None:
+            if not _is_int(self.micro_batch) or self.micro_batch < 1:
+                raise ValueError(
+                    f"node {self.name!r}: micro_batch={self.micro_batch!r} must be None or an "
+                    f"integer >= 1"
+                )
+            if self.max_batch is None:
+                raise ValueError(
+                    f"node {self.name!r}: micro_batch={self.micro_batch} needs a max_batch "
+                    f"(the most samples it may accumulate in a step)"
+                )
+            object.__setattr__(self, "micro_batch", int(self.micro_batch))
+
+    @property
+    def passes(self) -> int:
+        """Most micro-batches a step of this worker takes (1 without accumulation)."""
+        if self.micro_batch is None or self.max_batch is None:
+            return 1
+        return -(-self.max_batch // self.micro_batch)
 
     def forward_time(self, batch: float) -> float:
         """Predicted forward seconds at local batch ``batch``."""
@@ -257,21 +294,22 @@ class ClusterModel:
         return ClusterArrays.of(self)
 
     def node_times(self, local_batches: npt.ArrayLike) -> FloatArray:
-        """Each worker's share of the step: ``max_j (F_i + rho_j K_i + R_j)``, shape (n,).
+        """Each worker's share of the step: ``max_j (F_i + rho_j K_i + R_j)``, shape (n,)
+        (or (n, T) for local batches of shape (n, T)), its earlier passes included where it
+        accumulates (:class:`ClusterArrays`).
 
         The step time is the largest of these; bounds (min/max batch) are not enforced
         here so that any split, feasible or not, can be evaluated.
         """
         b = np.asarray(local_batches, dtype=np.float64)
-        if b.shape != (self.size,):
+        if b.ndim not in (1, 2) or b.shape[0] != self.size:
             raise ValueError(
-                f"local_batches has shape {b.shape}, expected ({self.size},) (one per node)"
+                f"local_batches has shape {b.shape}, expected ({self.size},) (one per node), "
+                f"or ({self.size}, T) for T splits at once"
             )
         if not np.all(np.isfinite(b)) or np.any(b < 0):
             raise ValueError(f"local_batches must be finite and >= 0, got {b.tolist()}")
-        arr = self.arrays
-        times: FloatArray = np.max(arr.offsets + arr.slopes * b[:, None], axis=1)
-        return times
+        return self.arrays.worker_times(b)
 
     def step_time(self, local_batches: npt.ArrayLike) -> float:
         """Predicted seconds of one synchronous step with these local batches (DESIGN §1)."""
@@ -291,21 +329,29 @@ class ClusterModel:
         arr = self.arrays
         if not np.any(arr.noise > 0):
             return float(np.max(means))
-        b = np.asarray(local_batches, dtype=np.float64)
-        lines = arr.offsets + arr.slopes * b[:, None]
-        binding = np.argmax(lines, axis=1)
+        row, x = arr.rows_of(np.asarray(local_batches, dtype=np.float64))
+        binding = np.argmax(arr.offsets[row] + arr.slopes[row] * x[:, None], axis=1)
         compute = means - arr.comm_left[binding]
         return expected_max(means, arr.noise * np.maximum(compute, 0.0))
 
 
 @dataclass(frozen=True, eq=False)
 class ClusterArrays:
-    """A cluster as arrays: worker i's time at batch b is ``max_j(offsets[i,j] + slopes[i,j]*b)``.
+    """A cluster as arrays of *rows*: on row r, at ``x`` samples past the row's ``start``,
+    the time is ``max_j(offsets[r,j] + slopes[r,j]*x)``, for ``x`` in ``[lo[r], hi[r]]``.
 
-    ``offsets = R_j + f0 + rho_j*k0`` and ``slopes = f1 + rho_j*k1`` (shape (n, m')),
-    over the buckets that can bind (:meth:`CommModel.binding`), in ready order, so that
-    consecutive columns are the envelope's consecutive pieces; ``lo``/``hi`` are the
-    batch bounds (``hi`` is ``inf`` where uncapped).
+    A worker that does not accumulate is one row (``start`` 0): ``offsets = R_j + f0 +
+    rho_j*k0`` and ``slopes = f1 + rho_j*k1`` (shape (rows, m')), over the buckets that can
+    bind (:meth:`CommModel.binding`), in ready order, so that consecutive columns are the
+    envelope's consecutive pieces; ``hi`` is ``inf`` where uncapped. A worker with a
+    ``micro_batch`` of c has one row per number of passes k, for its local batches
+    ``b = (k-1)c + x`` in ``((k-1)c, kc]``: k-1 passes of full forward and backward
+    (``F + S*m`` each, with ``F = f0 + k0`` and ``S = f1 + k1``) and a last one, of m
+    samples, whose backward overlaps the all-reduce; with ``m = b/k`` that is
+    ``(k-1)F + S*b*(k-1)/k + max_j(offset_j + slope_j*b/k)``, a max of lines in b again.
+    A row past the first is worth using only once the one before it is full: its time at
+    ``x = 0`` is above the previous row's at its top (each pass adds ``F`` and a slope no
+    smaller), so the sum over rows of what each can take by a time t is the worker's.
     """
 
     offsets: FloatArray
@@ -316,24 +362,94 @@ class ClusterArrays:
     """``R_j`` of each binding bucket, shape (m',): the part of ``offsets`` that is not compute."""
     noise: FloatArray
     """Each worker's relative compute noise (:attr:`NodeModel.noise`), shape (n,)."""
+    owner: npt.NDArray[np.intp]
+    """The worker of each row, shape (rows,); rows of a worker are adjacent, by passes."""
+    start: FloatArray
+    """The local batch at which each row starts, shape (rows,): ``(k-1)*micro_batch``."""
+    first_row: npt.NDArray[np.intp]
+    """Each worker's first row, shape (n,)."""
+    micro: FloatArray
+    """Each worker's ``micro_batch`` (``inf`` where it does not accumulate), shape (n,)."""
+    passes: npt.NDArray[np.intp]
+    """Each worker's number of rows, shape (n,)."""
+
+    @property
+    def is_first(self) -> BoolArray:
+        """Rows that are a worker's first (the only ones a worker at 0 samples is on)."""
+        first: BoolArray = self.start == 0
+        return first
+
+    @property
+    def in_use(self) -> BoolArray:
+        """Rows every split uses: a worker's first, and those its ``min_batch`` reaches."""
+        used: BoolArray = self.is_first | (self.lo > 0)
+        return used
+
+    def rows_of(self, local_batches: FloatArray) -> tuple[npt.NDArray[np.intp], FloatArray]:
+        """The row each worker's local batch falls on and its ``x`` there; the batches have
+        shape (n,) or (n, T), and so do the results."""
+        b = local_batches
+        shape = (-1,) + (1,) * (b.ndim - 1)
+        with np.errstate(invalid="ignore"):  # inf micro: one row
+            k = np.where(np.isinf(self.micro.reshape(shape)), 1.0,
+                         np.ceil(b / self.micro.reshape(shape)))
+        k = np.clip(k, 1, self.passes.reshape(shape)).astype(np.intp)
+        row = self.first_row.reshape(shape) + k - 1
+        x: FloatArray = b - self.start[row]
+        return row, x
+
+    def worker_times(self, local_batches: FloatArray) -> FloatArray:
+        """Each worker's time at its local batch; (n,) or (n, T) as the batches."""
+        row, x = self.rows_of(local_batches)
+        times: FloatArray = np.max(self.offsets[row] + self.slopes[row] * x[..., None], axis=-1)
+        return times
+
+    def worker_totals(self, rows: npt.ArrayLike) -> FloatArray:
+        """Per-row amounts summed into per-worker local batches."""
+        weights = np.asarray(rows, dtype=np.float64)
+        totals = np.bincount(self.owner, weights=weights, minlength=self.noise.size)
+        return totals.astype(np.float64)
+
+    def row_amounts(self, local_batches: FloatArray) -> FloatArray:
+        """Per-worker local batches spread over their rows, each row full before the next."""
+        b = local_batches[self.owner]
+        amounts: FloatArray = np.where(self.is_first, np.minimum(b, self.hi),
+                                       np.clip(b - self.start, 0.0, self.hi))
+        return amounts
 
     @staticmethod
     def of(cluster: ClusterModel) -> ClusterArrays:
-        params = np.array([(*n.fwd, *n.bwd) for n in cluster.nodes], dtype=np.float64)
+        nodes = cluster.nodes
+        params = np.array([(*n.fwd, *n.bwd) for n in nodes], dtype=np.float64)
         f0, f1, k0, k1 = params.T
         binding = cluster.comm.binding()
         rho = cluster.comm.ready_fractions[binding]
         remaining = cluster.comm.remaining[binding]
         offsets = remaining[None, :] + f0[:, None] + rho[None, :] * k0[:, None]
         slopes = f1[:, None] + rho[None, :] * k1[:, None]
-        lo = np.array([n.min_batch for n in cluster.nodes], dtype=np.float64)
-        hi = np.array(
-            [np.inf if n.max_batch is None else n.max_batch for n in cluster.nodes],
-            dtype=np.float64,
-        )
-        noise = np.array([n.noise for n in cluster.nodes], dtype=np.float64)
-        return ClusterArrays(offsets=offsets, slopes=slopes, lo=lo, hi=hi,
-                             comm_left=remaining, noise=noise)
+        passes = np.array([n.passes for n in nodes], dtype=np.intp)
+        micro = np.array([np.inf if n.micro_batch is None else n.micro_batch for n in nodes],
+                         dtype=np.float64)
+        owner = np.repeat(np.arange(len(nodes)), passes)
+        first_row = (np.cumsum(passes) - passes).astype(np.intp)
+        k = (np.arange(owner.size) - first_row[owner] + 1).astype(np.float64)  # passes of a row
+        c = np.where(np.isinf(micro), 0.0, micro)[owner]
+        start = (k - 1) * c
+        full = (f0 + k0)[owner][:, None]  # F: one pass's fixed time
+        per_sample = (f1 + k1)[owner][:, None]  # S: one pass's time per sample
+        kk = k[:, None]
+        row_slopes = (per_sample * (kk - 1) + slopes[owner]) / kk
+        row_offsets = offsets[owner] + (kk - 1) * full + row_slopes * start[:, None]
+        lo_w = np.array([n.min_batch for n in nodes], dtype=np.float64)
+        hi_w = np.array([np.inf if n.max_batch is None else n.max_batch for n in nodes],
+                        dtype=np.float64)
+        top = np.minimum(np.where(passes[owner] > 1, k * c, np.inf), hi_w[owner])
+        hi = top - start
+        lo = np.clip(lo_w[owner] - start, 0.0, hi)  # rows below the minimum's are full
+        noise = np.array([n.noise for n in nodes], dtype=np.float64)
+        return ClusterArrays(offsets=row_offsets, slopes=row_slopes, lo=lo, hi=hi,
+                             comm_left=remaining, noise=noise, owner=owner, start=start,
+                             first_row=first_row, micro=micro, passes=passes)
 
 
 # Normal tails beyond this many standard deviations are left out of the expected maximum
