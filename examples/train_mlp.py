@@ -36,6 +36,18 @@ class PrintEvery:
                   f"{'   n/a' if pred is None else f'{pred * 1e3:6.1f}'} ms", flush=True)
 
 
+def digits() -> TensorDataset:
+    """scikit-learn's bundled 8x8 handwritten digits, pixels scaled to [0, 1]."""
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    return TensorDataset(x, torch.tensor(data.target))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
@@ -51,15 +63,12 @@ def main() -> None:
     setup_logging(ctx.rank)
     if ctx.rank == 0:
         print(f"{ctx.world_size} workers, backend {ctx.backend}, device {ctx.device}", flush=True)
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    dataset = TensorDataset(x, torch.tensor(digits.target))
+    dataset = digits()
 
     loader = HeteroDataLoader(dataset, batch_size=args.batch_size, seed=0)
     if args.max_batch_size is not None:
         loader.autoscale_batch_size(args.max_batch_size, local_bsz_bounds=(1, None))
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10)).to(ctx.device)
+    net = mlp().to(ctx.device)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     model = HeteroDataParallel(net, optimizer, loader, split=args.split,
                                metrics=PrintEvery(10))

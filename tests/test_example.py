@@ -19,3 +19,17 @@ def test_train_mlp_example_runs_and_learns() -> None:
     assert losses[1] < losses[0] < 2.31  # below chance (ln 10) after one epoch, then lower
     split = re.findall(r"split \[(\d+), (\d+)\]", result.stdout)[-1]
     assert int(split[1]) > int(split[0])  # rank 1 is twice as fast: it gets more
+
+
+def test_beyond_memory_example_accumulates_and_learns() -> None:
+    result = run_torchrun(ROOT / "examples" / "train_beyond_memory.py", nproc=2,
+                          script_args=["--epochs", "2", "--max-local-batch", "16"],
+                          timeout_s=120.0, env={"CANNIKIN_SLOWDOWN": "2,1"}).check()
+    losses = [float(v) for v in re.findall(r"epoch \d+: loss ([0-9.]+)", result.stdout)]
+    assert len(losses) == 2 and losses[1] < losses[0] < 2.31, result.stdout
+    split = [int(v) for v in re.findall(r"split \[(\d+), (\d+)\]", result.stdout)[-1]]
+    assert sum(split) == 192 and split[1] > split[0] > 16  # beyond one pass on both
+    # 1797 digits: 10 steps an epoch (9 of 192, one of 69), each in passes of <= 16
+    passes = [int(p) for p in re.findall(r"rank \d epoch 1: (\d+) micro-batches",
+                                         result.stdout)]
+    assert len(passes) == 2 and sum(passes) >= 1797 // 16 and min(passes) > 10, result.stdout

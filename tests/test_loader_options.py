@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from cannikin.runtime.fetch import concat_batches, make_fetcher
-from cannikin.runtime.loader import HeteroDataLoader
+from cannikin.runtime.loader import HeteroDataLoader, OnePass
 from cannikin.runtime.sampler import UnevenSampler
 
 Sample = namedtuple("Sample", ["x", "label", "name"])
@@ -44,7 +44,7 @@ def padded(batch: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-class Replanning:
+class Replanning(OnePass):
     """A controller whose split changes between steps (after the loader has prefetched
     the next step with the old one), as a re-plan in the optimizer step does."""
 

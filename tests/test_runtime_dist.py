@@ -22,7 +22,7 @@ from dist_utils import WORKERS, run_torchrun
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
           "adam_noise_reset", "noise_stride", "amp", "ddp_habits", "attach_later",
-          "model_output", "step_timeout"]
+          "model_output", "step_timeout", "accumulate"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -245,3 +245,30 @@ def test_a_model_output_model_trains_as_one_process(figures: dict[str, Any]) -> 
     assert run["output_type"] == "ModelOutputLike" and run["steps"] == 5
     assert run["rel_err"] < 1e-5
     assert run["param_drift"] < 1e-4  # AdamW on both: the updates stay together
+
+
+@pytest.mark.parametrize("phase", ["even", "optimal", "amp_autoscale"])
+def test_accumulated_passes_give_the_mean_gradient_over_the_step(figures: dict[str, Any],
+                                                                 phase: str) -> None:
+    got = figures["accumulate"][phase]
+    assert got["rel_err"] < 1e-5 and got["sqnorm_err"] < 1e-5, got
+    assert "loader.steps()" in got["flat"]  # the one-pass loop is refused by name
+    assert got["samples"] == got["distinct"]  # every sample of the steps once
+    _assert_timings_consistent(got["timings"])
+
+
+def test_accumulated_passes_follow_the_caps(figures: dict[str, Any]) -> None:
+    even = figures["accumulate"]["even"]
+    assert even["split"] == [20, 22, 22] and even["passes"][0] == [4, 4, 1]
+    assert even["timed_sizes"] == [[5], [6], [22]]  # each timed at its first pass
+    optimal = figures["accumulate"]["optimal"]
+    splits, passes = optimal["splits"], optimal["passes"]
+    assert all(sum(s) == 96 for s in splits)  # four times what the caps hold in one pass
+    for split, counts in zip(splits, passes, strict=True):  # as few passes of <= 8 as hold
+        assert counts == [-(-b // 8) for b in split], (splits, passes)
+    # after the warm-up the fast worker takes the most, in the most passes (a probe may
+    # take one re-plan interval off that)
+    planned = splits[4:]
+    assert sum(s[2] > max(s[:2]) for s in planned) > len(planned) / 2, splits
+    amp = figures["accumulate"]["amp_autoscale"]  # GradScaler at 2^10, goodput-chosen B
+    assert amp["steps"] > 0 and all(24 <= t <= 144 for t in amp["totals"]), amp["totals"]

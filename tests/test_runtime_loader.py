@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from cannikin.runtime.loader import HeteroDataLoader
+from cannikin.runtime.loader import HeteroDataLoader, OnePass
 
 
-class Scripted:
+class Scripted(OnePass):
     """A controller that changes the split every step (as re-planning does)."""
 
     def __init__(self, totals: list[int], world: int) -> None:
@@ -135,3 +135,51 @@ def test_a_peeked_batch_comes_again() -> None:
     controller.peeked = True  # the peek's step never reached an optimizer step
     seen = [i for (batch,) in loader for i in batch.tolist()]
     assert sorted(seen) == list(range(30)) and seen[:len(peek)] == peek
+
+
+class InPasses(Scripted):
+    """A controller whose workers run their shares in passes of at most ``cap``."""
+
+    def __init__(self, totals: list[int], world: int, cap: int) -> None:
+        super().__init__(totals, world)
+        self.cap = cap
+        self.passes: list[int] = []
+
+    @property
+    def accumulates(self) -> bool:
+        return True
+
+    def micro_sizes(self, batch: int) -> tuple[int, ...]:
+        count = max(1, -(-batch // self.cap))
+        return tuple(batch // count + (j < batch % count) for j in range(count))
+
+    def begin_pass(self, index: int) -> None:
+        self.passes.append(index)
+
+
+def test_steps_yield_each_ranks_passes_and_refuse_the_one_pass_loop() -> None:
+    data = TensorDataset(torch.arange(103))
+    for rank in range(3):
+        loader = HeteroDataLoader(data, batch_size=17, seed=1, rank=rank, world_size=3)
+        controller = InPasses([17, 10], 3, cap=4)
+        loader.attach(controller, rank, 3)
+        with pytest.raises(RuntimeError, match=r"loader\.steps\(\)"):
+            next(iter(loader))
+        steps = 0
+        for step in loader.steps():
+            sizes = [len(batch) for (batch,) in step]
+            local = controller.begun[-1][rank]
+            assert sizes == list(controller.micro_sizes(local)) and max(sizes) <= 4
+            assert controller.passes[-len(sizes):] == list(range(len(sizes)))
+            steps += 1
+        assert steps == len(controller.begun) and loader.epoch == 1
+
+
+def test_steps_use_every_index_once() -> None:
+    data = TensorDataset(torch.arange(103))
+    seen: list[int] = []
+    for rank in range(3):
+        loader = HeteroDataLoader(data, batch_size=17, seed=1, rank=rank, world_size=3)
+        loader.attach(InPasses([17, 10], 3, cap=4), rank, 3)
+        seen += [int(i) for step in loader.steps() for (batch,) in step for i in batch]
+    assert sorted(seen) == list(range(103))

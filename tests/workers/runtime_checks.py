@@ -709,6 +709,91 @@ def check_step_timeout() -> dict[str, Any]:
     return {"startup": startup, "timeouts": timeouts, "refused": everyone}
 
 
+def _accumulated_run(split: str, batch_size: int, caps: list[int | None], passes: int,
+                     steps: int, slowdowns: tuple[float, ...] | None = None,
+                     loss_scale: float | None = None,
+                     max_batch: int | None = None) -> dict[str, Any]:
+    """Train through ``loader.steps()`` with up to ``passes`` beyond the caps; each step's
+    gradient against one process on the step's samples, this rank's |g_i|^2 against its
+    own (gradient norms every step: ``adascale`` reads them). ``loss_scale``: through a
+    GradScaler starting there; ``max_batch``: the total batch chosen by goodput."""
+    data = _blobs(batch_size * steps)
+    net = _classifier()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    loader = HeteroDataLoader(data, batch_size=batch_size, seed=5)
+    if max_batch is not None:
+        loader.autoscale_batch_size(max_batch)
+    scaler = None if loss_scale is None else torch.amp.GradScaler(
+        "cpu", init_scale=loss_scale, growth_interval=10**9)
+    sink = Recorder()
+    model = HeteroDataParallel(net, opt, loader, split=split, lr_scaling="adascale",
+                               max_local_batch=caps, max_micro_batches=passes, metrics=sink,
+                               slowdown=None if slowdowns is None
+                               else slowdowns[dist.get_rank()])
+    try:
+        next(iter(loader))
+        flat = None
+    except RuntimeError as error:
+        flat = str(error)
+    worst = sq_worst = 0.0
+    passes: list[list[int]] = []
+    seen: list[int] = []
+    for step, micro in enumerate(loader.steps()):
+        opt.zero_grad()
+        mine: list[int] = []
+        sizes = []
+        for x, y, idx in micro:
+            loss = F.cross_entropy(model(x), y)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            mine += idx.tolist()
+            sizes.append(len(idx))
+        scale_now = 1.0 if scaler is None else float(scaler.get_scale())
+        local_sq, _ = model.comm.sqnorms()
+        local_sq /= scale_now ** 2
+        union = torch.tensor(_all_indices(mine))
+        ref.zero_grad()
+        F.cross_entropy(ref(data.tensors[0][union]), data.tensors[1][union]).backward()
+        scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+        worst = max(worst, max(float((p.grad / scale_now - q.grad).abs().max())
+                               for p, q in zip(net.parameters(), ref.parameters(),
+                                               strict=True)) / scale)
+        if model._cycle.norms and mine:
+            ref.zero_grad()
+            F.cross_entropy(ref(data.tensors[0][mine]), data.tensors[1][mine]).backward()
+            sq_worst = max(sq_worst, _relative(local_sq, _sqnorm(ref)))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sizes)
+        passes.append([len(p) for p in everyone])
+        seen += mine
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        if step + 1 == steps:
+            break
+    model.remove_hooks()
+    timed = [sorted(int(b) for b in f.batch_sizes()) for f in model.planner.fitters]
+    return {"rel_err": worst, "sqnorm_err": sq_worst, "passes": passes, "flat": flat,
+            "split": list(model.plan.local_batches), "timings": _timings(sink.rows),
+            "timed_sizes": timed, "samples": len(_all_indices(seen)),
+            "distinct": len(set(_all_indices(seen))), "steps": model.step,
+            "totals": [row["total_batch"] for row in sink.rows],
+            "splits": [row["local_batches"] for row in sink.rows]}
+
+
+def check_accumulate() -> dict[str, Any]:
+    """Even split 20/22/22 under caps 5, 7, none and 4 passes at most: 4, 4 and 1 passes,
+    sizes 6,6,5,5 on the second rank (the gradient rescaled between passes); then the
+    optimal split of a batch four times the caps' sum on emulated speeds 1/3, 1/3, 1."""
+    return {"even": _accumulated_run("even", 64, [5, 7, None], passes=4, steps=6),
+            "optimal": _accumulated_run("optimal", 96, [8, 8, 8], passes=8, steps=16,
+                                        slowdowns=(3.0, 3.0, 1.0)),
+            "amp_autoscale": _accumulated_run("optimal", 24, [6, 6, 6], passes=8, steps=16,
+                                              loss_scale=2.0**10, max_batch=144)}
+
+
 CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     name.removeprefix("check_"): fn for name, fn in globals().items()
     if name.startswith("check_") and callable(fn)

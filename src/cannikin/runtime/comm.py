@@ -71,6 +71,9 @@ class CommState:
     weight: float = 1.0
     transform: GradTransform | None = None
     capture_sqnorm: bool = True
+    sqnorm_scale: float = 1.0
+    """The local mean gradient over the bucket's: its |g_i|^2 is this squared times the
+    bucket's (not 1 when the bucket holds passes accumulated, see ``begin_pass``)."""
     ready: list[Any] = field(default_factory=list)
     done: list[Any] = field(default_factory=list)
     local_parts: list[torch.Tensor] = field(default_factory=list)
@@ -139,7 +142,7 @@ class CommState:
         groups = [self.local_parts, self.global_parts if measured else []]
         device = next((part.device for group in groups for part in group), torch.device("cpu"))
         local, global_ = torch.stack([_total(group, device) for group in groups]).tolist()
-        return float(local), float(global_) if measured else None
+        return float(local) * self.sqnorm_scale ** 2, float(global_) if measured else None
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """A CUDA stream of this state's own on ``device`` (None on CPU): the all-reduces

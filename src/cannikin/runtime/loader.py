@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
 from cannikin.runtime.fetch import make_fetcher
-from cannikin.runtime.sampler import UnevenSampler
+from cannikin.runtime.sampler import IndexArray, UnevenSampler
 
 Batch = Any
 
@@ -33,14 +33,42 @@ class StepController(Protocol):
 
     def begin_step(self, split: tuple[int, ...]) -> None: ...
 
+    @property
+    def accumulates(self) -> bool:
+        """Whether a step may take several passes (then only :meth:`HeteroDataLoader.steps`
+        can iterate it)."""
+        ...
+
+    def micro_sizes(self, batch: int) -> tuple[int, ...]:
+        """This rank's passes of a local batch of ``batch`` samples."""
+        ...
+
+    def begin_pass(self, index: int) -> None:
+        """Pass ``index`` of the step handed out is about to be loaded."""
+        ...
+
     def abandon_step(self) -> bool:
         """Forget a step handed out that never reached its optimizer step; whether there
         was one."""
         ...
 
 
+class OnePass:
+    """The pass members of a :class:`StepController` whose steps never accumulate."""
+
+    @property
+    def accumulates(self) -> bool:
+        return False
+
+    def micro_sizes(self, batch: int) -> tuple[int, ...]:
+        return (batch,)
+
+    def begin_pass(self, index: int) -> None:
+        """Nothing to prepare."""
+
+
 @dataclass
-class _EvenSplit:
+class _EvenSplit(OnePass):
     """Controller of a loader used without HeteroDataParallel: fixed B, even split."""
 
     batch_size: int
@@ -174,6 +202,41 @@ class HeteroDataLoader:
         self.sampler.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Batch]:
+        """This rank's local batch of each step, in one pass (see :meth:`steps` for a model
+        that accumulates gradients over several)."""
+        if self.controller.accumulates:
+            raise RuntimeError(
+                "this loader's model accumulates gradients (max_micro_batches > 1), so a "
+                "step may take several micro-batches on this rank: iterate "
+                "`for step in loader.steps(): for x, y in step: ...` with the optimizer "
+                "step after the inner loop")
+        for indices in self._step_indices():
+            yield self.fetcher.fetch(indices, self._upcoming() if self.fetcher.prefetches
+                                     else None)
+
+    def steps(self) -> Iterator[Iterator[Batch]]:
+        """One item per step, the same number on every rank; iterating it yields this
+        rank's micro-batches of that step (one unless the model accumulates gradients,
+        ``HeteroDataParallel(max_micro_batches=...)``). The loss of each micro-batch is
+        its own mean; the gradient after the last one is the mean over the step's total
+        batch, as without accumulation. Every micro-batch must go through forward and
+        backward before the optimizer step."""
+        for indices in self._step_indices():
+            yield self._passes(indices)
+
+    def _passes(self, indices: IndexArray) -> Iterator[Batch]:
+        sizes = self.controller.micro_sizes(len(indices))
+        ends = [sum(sizes[:j + 1]) for j in range(len(sizes))]
+        for j, (size, end) in enumerate(zip(sizes, ends, strict=True)):
+            self.controller.begin_pass(j)
+            upcoming = None
+            if self.fetcher.prefetches:
+                upcoming = (indices[end:end + sizes[j + 1]] if j + 1 < len(sizes)
+                            else self._upcoming(first_pass=True))
+            yield self.fetcher.fetch(indices[end - size:end], upcoming)
+
+    def _step_indices(self) -> Iterator[IndexArray]:
+        """Each step's indices of this rank, after the step is handed to the controller."""
         # a batch taken by an iteration that was dropped before its optimizer step (a peek:
         # ``next(iter(loader))``) comes again, so no sample of the epoch is lost
         if self.controller.abandon_step() and self._before_take is not None:
@@ -188,16 +251,19 @@ class HeteroDataLoader:
             self._before_take = self.sampler.state_dict()
             indices = self.sampler.take(split, self.rank)
             self.controller.begin_step(tuple(split))
-            yield self.fetcher.fetch(indices, self._upcoming() if self.fetcher.prefetches
-                                     else None)
+            yield indices
         self.sampler.new_epoch()
 
-    def _upcoming(self) -> Any:
-        """The next step's indices as the plan stands (None at the end of the epoch)."""
+    def _upcoming(self, first_pass: bool = False) -> Any:
+        """The next step's indices as the plan stands (None at the end of the epoch); with
+        ``first_pass``, those of its first micro-batch."""
         total = self.sampler.next_total(self.controller.total_batch)
         if total == 0:
             return None
-        return self.sampler.peek(self.controller.split_for(total), self.rank)
+        indices = self.sampler.peek(self.controller.split_for(total), self.rank)
+        if first_pass:
+            indices = indices[:self.controller.micro_sizes(len(indices))[0]]
+        return indices
 
     def close(self) -> None:
         """Stop the loading processes (``num_workers``); the loader cannot load after it."""

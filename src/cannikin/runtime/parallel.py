@@ -84,6 +84,15 @@ class _Cycle:
     prev_mark: Any = None
     """The clock's mark at the end of the previous step: where this step's cycle starts."""
     bwd_start: Any = None
+    """The clock's mark where the (first pass's) backward started."""
+    passes: tuple[int, ...] = ()
+    """This rank's micro-batch sizes of the step (one entry without accumulation)."""
+    pass_index: int = 0
+    """The pass being run (:meth:`HeteroDataParallel.begin_pass`)."""
+    first_end: Any = None
+    """The mark where the first of several passes ended (the second began)."""
+    last_bwd_start: Any = None
+    """The mark where the last of several passes' backward started."""
     oom: bool = False
     stepping: bool = False
     """Between the loader handing out a step and its optimizer step."""
@@ -111,6 +120,7 @@ class _Options:
     replan_every: int
     warmup_steps: int
     max_local_batch: int | Sequence[int | None] | None
+    max_micro_batches: int
     device_name: str | None
 
 
@@ -177,7 +187,11 @@ class HeteroDataParallel(nn.Module):
     ``replan_every``: steps between re-plans after ``warmup_steps`` even-split steps.
     ``metrics``: a sink with ``log(metrics, step)``, called on rank 0 every step.
     ``max_local_batch``: this rank's memory cap (int), or one per rank; an out-of-memory
-    in forward lowers this rank's cap automatically. ``slowdown``: heterogeneity
+    in forward lowers this rank's cap automatically. ``max_micro_batches``: above 1, a
+    worker's share of a step may exceed its cap, run as up to this many micro-batches of
+    at most the cap with the gradients accumulated (planned where it pays: a total batch
+    beyond the caps, or a faster step); iterate :meth:`HeteroDataLoader.steps` then.
+    ``slowdown``: heterogeneity
     emulation factor for this rank; None reads ``CANNIKIN_SLOWDOWN`` if it is set.
     ``slowdown_profile``: (fixed_s, per_sample_s) of the emulated reference device's
     forward (backward takes twice as long); set it above the real compute time.
@@ -192,7 +206,7 @@ class HeteroDataParallel(nn.Module):
                  lr_scaling: str = "auto", replan_every: int = 5, warmup_steps: int = 4,
                  metrics: MetricsSink | None = None,
                  max_local_batch: int | Sequence[int | None] | None = None,
-                 slowdown: float | None = None,
+                 max_micro_batches: int = 1, slowdown: float | None = None,
                  slowdown_profile: tuple[float, float] = DEFAULT_SLOWDOWN_PROFILE,
                  device_name: str | None = None, **ddp_kwargs: Any) -> None:
         super().__init__()
@@ -214,9 +228,13 @@ class HeteroDataParallel(nn.Module):
             raise ValueError(f"unknown lr_scaling {lr_scaling!r}; valid: 'auto', {list(RULES)}")
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if (not isinstance(max_micro_batches, int) or isinstance(max_micro_batches, bool)
+                or max_micro_batches < 1):
+            raise ValueError(f"max_micro_batches must be an integer >= 1 (1: no gradient "
+                             f"accumulation), got {max_micro_batches!r}")
         self._options = _Options(split=split, lr_scaling=lr_scaling, replan_every=replan_every,
                                  warmup_steps=warmup_steps, max_local_batch=max_local_batch,
-                                 device_name=device_name)
+                                 max_micro_batches=max_micro_batches, device_name=device_name)
         self._emulation = self._install_slowdown(module, slowdown, slowdown_profile)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device])
@@ -252,7 +270,12 @@ class HeteroDataParallel(nn.Module):
             world_size=self.world_size, init_batch=loader.batch_size, split=options.split,
             replan_every=options.replan_every, warmup_steps=options.warmup_steps,
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
-            max_local=hi, caps=caps, names=names), log_plans=self.rank == 0)
+            max_local=hi, caps=caps, names=names, accumulate=options.max_micro_batches > 1,
+            max_micro_batches=options.max_micro_batches), log_plans=self.rank == 0)
+        if options.max_micro_batches > 1 and all(cap is None for cap in caps):
+            logger.warning("max_micro_batches=%d without a max_local_batch on any worker: "
+                           "no worker has a memory cap to accumulate beyond",
+                           options.max_micro_batches)
         lr_scaling = options.lr_scaling
         if lr_scaling == "auto":
             lr_scaling = ("none" if auto is None else
@@ -391,12 +414,24 @@ class HeteroDataParallel(nn.Module):
     def split_for(self, total: int) -> tuple[int, ...]:
         return self.planner.split_for(total)
 
+    @property
+    def accumulates(self) -> bool:
+        """Whether a step may take several passes (``max_micro_batches > 1``)."""
+        return self.planner.config.accumulate
+
+    def micro_sizes(self, batch: int) -> tuple[int, ...]:
+        """This rank's micro-batches of a local batch of ``batch``."""
+        return self.planner.passes(self.rank, batch)
+
     # -- the step ----------------------------------------------------------------------------------
     def begin_step(self, split: tuple[int, ...]) -> None:
         """The loader hands out this step's split: set the weight, reset the records."""
         cycle = self._cycle
         total = sum(split)
         cycle.split = split
+        cycle.passes = self.micro_sizes(split[self.rank])
+        cycle.pass_index = 0
+        cycle.first_end = cycle.last_bwd_start = None
         # a forward between two steps (an evaluation), or a step that never reached the
         # optimizer (AMP's GradScaler skips the update when a gradient overflowed) lies
         # inside this step's cycle, which runs from the previous backward: this rank does
@@ -404,7 +439,12 @@ class HeteroDataParallel(nn.Module):
         interrupted = cycle.interrupted or cycle.stepping
         cycle.measuring = self.planner.measures(cycle.step) and not interrupted
         cycle.interrupted = False
-        self.comm.begin_step(split[self.rank] / total)
+        # the passes before the last accumulate; the last one's gradient holds the sum of
+        # every pass's mean gradient weighted by its size over the last's (begin_pass), so
+        # its bucket is scaled by last / B, and its |g|^2 by (last / b_i)^2
+        last = cycle.passes[-1]
+        self.comm.begin_step(last / total)
+        self.comm.sqnorm_scale = last / split[self.rank] if split[self.rank] else 1.0
         cycle.norms = cycle.measuring and (self.attached.noise_decides
                                            or cycle.step % NORM_STRIDE == 0)
         self.comm.capture_sqnorm = cycle.norms
@@ -413,6 +453,30 @@ class HeteroDataParallel(nn.Module):
         cycle.stepping = True
         if cycle.prev_mark is None:
             cycle.prev_mark = self.clock.mark()
+
+    def begin_pass(self, index: int) -> None:
+        """Pass ``index`` of the step's micro-batches is next: DDP all-reduces only after
+        the last one's backward (its ``no_sync`` for the others; the buffers are broadcast
+        at the first pass's forward alone, as DDP does under ``no_sync``). The gradient
+        accumulated so far is rescaled by the previous pass's size over this one's, so
+        that after the last pass it is ``sum_j (m_j / m_last) g_j``."""
+        cycle = self._cycle
+        passes = cycle.passes
+        if not 0 <= index < len(passes):
+            raise RuntimeError(f"pass {index} of a step of {len(passes)} micro-batches")
+        cycle.pass_index = index
+        self.ddp.require_backward_grad_sync = index == len(passes) - 1
+        if index == 0:
+            return
+        if index == 1:
+            cycle.first_end = self.clock.mark()
+        if passes[index - 1] != passes[index]:
+            ratio = passes[index - 1] / passes[index]
+            with torch.no_grad():
+                for group in self.optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(ratio)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cycle = self._cycle
@@ -429,8 +493,8 @@ class HeteroDataParallel(nn.Module):
             if not (cycle.stepping and torch.is_grad_enabled()):
                 raise
             out = self._placeholder_after_oom(args, kwargs)
-        if (cycle.stepping and cycle.measuring and torch.is_grad_enabled()
-                and cycle.bwd_start is None):
+        timed_pass = cycle.pass_index in (0, len(cycle.passes) - 1)
+        if cycle.stepping and cycle.measuring and torch.is_grad_enabled() and timed_pass:
             tensor = _first_grad_tensor(out)
             if tensor is not None:
                 tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
@@ -439,8 +503,12 @@ class HeteroDataParallel(nn.Module):
         return out
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
-        if self._cycle.bwd_start is None:
-            self._cycle.bwd_start = self.clock.mark()
+        cycle = self._cycle
+        if cycle.pass_index == 0:
+            if cycle.bwd_start is None:
+                cycle.bwd_start = self.clock.mark()
+        elif cycle.last_bwd_start is None:
+            cycle.last_bwd_start = self.clock.mark()
 
     def _placeholder_after_oom(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Out of memory in forward: run two samples so every collective still lines up.
@@ -454,12 +522,12 @@ class HeteroDataParallel(nn.Module):
         would pair that broadcast with a gradient bucket's all-reduce and hang.
         """
         cycle = self._cycle
-        logger.warning("rank %d: out of memory in forward at local batch %s", self.rank,
-                       None if cycle.split is None else cycle.split[self.rank])
+        batch = cycle.passes[cycle.pass_index] if cycle.passes else 0
+        logger.warning("rank %d: out of memory in forward at a pass of %d samples", self.rank,
+                       batch)
         cycle.oom = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        batch = 0 if cycle.split is None else cycle.split[self.rank]
         self.ddp.require_forward_param_sync = False  # DDP's own forward sets it again
         out = self.ddp(*_map_batched(args, lambda t: t[:2]),
                        **_map_batched(kwargs, lambda t: t[:2]))
@@ -470,15 +538,24 @@ class HeteroDataParallel(nn.Module):
         cycle = self._cycle
         clock, comm = self.clock, self.comm
         prev = cycle.prev_mark
+
+        def at(mark: Any, otherwise: float) -> float:
+            return otherwise if mark is None else clock.elapsed(prev, mark)
+
         ready = [clock.elapsed(prev, m) for m in comm.ready]
         done = [clock.elapsed(prev, m) for m in comm.done if m is not None]
-        if cycle.bwd_start is not None:
-            start = clock.elapsed(prev, cycle.bwd_start)
-        else:  # no output hook fired (e.g. a loss not built from the output): first bucket
-            start = ready[0] if ready else step_s
-        last = ready[-1] if ready else start
-        bwd = max(last - start, 0.0)
-        fractions = [min(max((r - start) / bwd, 0.0), 1.0) if bwd > 0 else 1.0 for r in ready]
+        # the buckets are the last pass's; F and K are timed on the first pass, which
+        # starts where a step of one pass does (a missing output hook, as with a loss not
+        # built from the output: from the first bucket, or where the first pass ended)
+        several = len(cycle.passes) > 1
+        tail_start = at(cycle.last_bwd_start if several else cycle.bwd_start,
+                        ready[0] if ready else step_s)
+        last = ready[-1] if ready else tail_start
+        tail = max(last - tail_start, 0.0)
+        start = at(cycle.bwd_start, at(cycle.first_end, tail_start)) if several else tail_start
+        bwd = max(at(cycle.first_end, tail_start) - start, 0.0) if several else tail
+        fractions = [min(max((r - tail_start) / tail, 0.0), 1.0) if tail > 0 else 1.0
+                     for r in ready]
         allreduce = []
         previous_done = 0.0
         for r, d in zip(ready, done, strict=False):
@@ -487,6 +564,7 @@ class HeteroDataParallel(nn.Module):
         if len(allreduce) != len(fractions):
             fractions, allreduce = [], []
         report = StepReport(batch=cycle.split[self.rank] if cycle.split else 0,
+                            timed_batch=cycle.passes[0] if several else None,
                             sqnorm=local_sqnorm, fwd_s=start, bwd_s=bwd, step_s=step_s,
                             ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce))
         return report
@@ -526,6 +604,12 @@ class HeteroDataParallel(nn.Module):
         cycle = self._cycle
         if not cycle.stepping or cycle.split is None:
             return  # a step outside HeteroDataLoader's iteration: plain DDP (see _end_step)
+        if cycle.pass_index != len(cycle.passes) - 1:
+            raise RuntimeError(
+                f"rank {self.rank}: optimizer.step() after {cycle.pass_index + 1} of the "
+                f"step's {len(cycle.passes)} micro-batches: run forward and backward on every "
+                f"micro-batch of `for x, y in step` before the optimizer step (the gradient "
+                f"is all-reduced after the last one only)")
         end = self.clock.mark()
         step_s = self.clock.elapsed(cycle.prev_mark, end)
         report = global_sqnorm = None
@@ -586,8 +670,8 @@ class HeteroDataParallel(nn.Module):
 
     def _skip_step_after_oom(self, reports: Sequence[WorkerReport]) -> None:
         for rank, r in enumerate(reports):
-            if r.oom:
-                self.planner.lower_cap(rank, r.batch)
+            if r.oom:  # the largest pass is the one that did not fit
+                self.planner.lower_cap(rank, self.planner.passes(rank, r.batch)[0])
         self.planner.replan(self._cycle.step, "out of memory")
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -602,7 +686,9 @@ class HeteroDataParallel(nn.Module):
         outside the loader's iteration (a step on the script's own tensors) averages the
         ranks' gradients, as DDP does, instead of weighing them by a stale b_i / B."""
         self._cycle.stepping = False
+        self.ddp.require_backward_grad_sync = True
         self.comm.weight = 1.0 / self.world_size
+        self.comm.sqnorm_scale = 1.0
         self.comm.capture_sqnorm = False
         self.comm.rows = None
 
@@ -620,10 +706,11 @@ class HeteroDataParallel(nn.Module):
         """Refused: accumulating gradients over several of the loader's steps would weigh
         the sum by the last step's b_i / B alone, a silently wrong gradient."""
         raise RuntimeError(
-            "HeteroDataParallel does not accumulate gradients over loader steps yet: each "
+            "HeteroDataParallel does not accumulate gradients over loader steps: each "
             "step's local batches are weighted by their own b_i / B, which no_sync() would "
-            "mix up. Use a larger batch_size (the total over all workers) instead, with "
-            "max_local_batch= to bound each worker's memory")
+            "mix up. Use a larger batch_size (the total over all workers) with "
+            "max_local_batch= (each worker's memory cap) and max_micro_batches= (passes "
+            "beyond it), and iterate loader.steps()")
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         cycle = self._cycle

@@ -39,6 +39,7 @@ from cannikin.perf import (
     NodeModel,
     PredictionTracker,
     fit_nodes,
+    micro_batches,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 SPLITS = ("optimal", "even", "adaptdl")
 MAX_BUCKETS = 16
 """Buckets kept per step report; more are merged (adjacent, in ready order)."""
-_PREVIOUS = 6 + 2 * MAX_BUCKETS  # batch, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c..
+_PREVIOUS = 7 + 2 * MAX_BUCKETS  # batch, timed, sqnorm, fwd_s, bwd_s, step_s, buckets, rho, c
 REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
 _STATE_VERSION = 1
 
@@ -60,9 +61,14 @@ class StepReport:
     sqnorm: float
     """|g_i|^2 of the local mean gradient before the all-reduce (preconditioned)."""
     fwd_s: float
-    """F_i: everything outside backward (data, forward, previous optimizer step)."""
+    """F_i: everything outside backward (data, forward, previous optimizer step), of the
+    step's first pass where it accumulates."""
     bwd_s: float
-    """K_i: backward compute, from its start until the last bucket is ready."""
+    """K_i: backward compute, from its start until the last bucket is ready (the first
+    pass's backward where it accumulates)."""
+    timed_batch: int | None = None
+    """Samples of the pass ``fwd_s`` and ``bwd_s`` time: the first micro-batch's where the
+    step accumulates, None for ``batch`` (one pass)."""
     step_s: float
     """Measured period of the whole step on this rank."""
     ready_fractions: tuple[float, ...] = ()
@@ -73,18 +79,28 @@ class StepReport:
     def to_vector(self) -> list[float]:
         ready, comm = merge_buckets(self.ready_fractions, self.allreduce_s, MAX_BUCKETS)
         pad = [0.0] * (MAX_BUCKETS - len(ready))
-        return [float(self.batch), self.sqnorm, self.fwd_s, self.bwd_s, self.step_s,
-                float(len(ready)), *ready, *pad, *comm, *pad]
+        return [float(self.batch), float(self.timed), self.sqnorm, self.fwd_s, self.bwd_s,
+                self.step_s, float(len(ready)), *ready, *pad, *comm, *pad]
+
+    @property
+    def timed(self) -> int:
+        """The samples ``fwd_s`` and ``bwd_s`` are of (see :attr:`timed_batch`)."""
+        return self.batch if self.timed_batch is None else self.timed_batch
 
     @staticmethod
     def from_vector(values: Sequence[float]) -> StepReport:
-        m = int(values[5])
-        return StepReport(batch=int(values[0]), sqnorm=float(values[1]),
-                          fwd_s=float(values[2]), bwd_s=float(values[3]),
-                          step_s=float(values[4]),
-                          ready_fractions=tuple(float(v) for v in values[6:6 + m]),
+        if len(values) == _PREVIOUS - 1:  # saved before timed_batch (a rank checkpoint)
+            values = [values[0], values[0], *values[1:]]
+        if len(values) != _PREVIOUS:
+            raise ValueError(f"a step report has {_PREVIOUS} values, got {len(values)}")
+        m = int(values[6])
+        batch, timed = int(values[0]), int(values[1])
+        return StepReport(batch=batch, timed_batch=None if timed == batch else timed,
+                          sqnorm=float(values[2]), fwd_s=float(values[3]),
+                          bwd_s=float(values[4]), step_s=float(values[5]),
+                          ready_fractions=tuple(float(v) for v in values[7:7 + m]),
                           allreduce_s=tuple(float(v) for v in
-                                            values[6 + MAX_BUCKETS:6 + MAX_BUCKETS + m]))
+                                            values[7 + MAX_BUCKETS:7 + MAX_BUCKETS + m]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +205,15 @@ class PlannerConfig:
     max_local: int | None = None
     """Largest local batch for every worker (``local_bsz_bounds[1]``)."""
     caps: tuple[int | None, ...] = ()
-    """Per-worker largest local batch (memory); () for none."""
+    """Per-worker largest local batch (memory); () for none. With :attr:`accumulate`, the
+    largest micro-batch: one forward and backward."""
+    accumulate: bool = False
+    """A worker's local batch may exceed its cap, in up to :attr:`max_micro_batches`
+    passes of at most the cap each (:func:`~cannikin.perf.micro_batches`), gradients
+    accumulated and all-reduced after the last; planned where it pays (a total beyond the
+    caps, or a faster step)."""
+    max_micro_batches: int = 8
+    """Most passes a step of one worker takes when accumulating."""
     names: tuple[str, ...] = ()
     """Per-worker device name, the key of cached models; () for "worker<i>"."""
     gns_smoothing: float = 0.999
@@ -334,7 +358,8 @@ class PlannerConfig:
         if not (0 <= self.plan_hold < 1 and 0 < self.oom_cap_factor < 1):
             raise ValueError(f"plan_hold ({self.plan_hold}) and oom_cap_factor "
                              f"({self.oom_cap_factor}) must be in [0, 1) and (0, 1)")
-        for name in ("measure_stride", "drift_steps", "drift_noise_history"):
+        for name in ("measure_stride", "drift_steps", "drift_noise_history",
+                     "max_micro_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.drift_change > 0 and self.drift_sigmas >= 0):
@@ -345,9 +370,21 @@ class PlannerConfig:
                              f"workers exceeds batch_size {self.init_batch}")
 
     def cap_of(self, rank: int) -> int | None:
-        """Worker ``rank``'s largest local batch (memory cap and upper bound together)."""
-        caps = [c for c in (self.caps[rank], self.max_local) if c is not None]
+        """Worker ``rank``'s largest local batch (its memory cap, times the passes it may
+        accumulate, and the upper bound together)."""
+        cap = self.caps[rank]
+        if cap is not None and self.accumulate:
+            cap *= self.max_micro_batches
+        caps = [c for c in (cap, self.max_local) if c is not None]
         return min(caps) if caps else None
+
+    def micro_cap(self, rank: int) -> int | None:
+        """Worker ``rank``'s largest pass where it may accumulate beyond it, else None."""
+        cap = self.caps[rank]
+        bound = self.cap_of(rank)
+        if not self.accumulate or cap is None or bound is None or bound <= cap:
+            return None
+        return cap
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -449,6 +486,11 @@ class Planner:
                 logger.debug("partial batch %d: optimal split infeasible (%s), even", total, exc)
         return self._even(total)
 
+    def passes(self, rank: int, batch: int) -> tuple[int, ...]:
+        """Worker ``rank``'s micro-batches of a local batch of ``batch`` (one pass unless it
+        accumulates beyond its cap); the same on every rank."""
+        return micro_batches(batch, self.config.micro_cap(rank))
+
     def predicted(self, local_batches: Sequence[int]) -> float | None:
         """Step time the model in force predicts for ``local_batches`` (None without one):
         the expected slowest of the noisy workers (:meth:`ClusterModel.expected_step_time`)."""
@@ -502,8 +544,8 @@ class Planner:
     def _observe_timing(self, timings: Sequence[StepReport]) -> None:
         measured = _median([t.step_s for t in timings])
         for fitter, t in zip(self.fitters, timings, strict=True):
-            if t.batch > 0:
-                fitter.add(t.batch, t.fwd_s, t.bwd_s, remember=self._remember[0])
+            if t.timed > 0:
+                fitter.add(t.timed, t.fwd_s, t.bwd_s, remember=self._remember[0])
         self._add_comm([t for t in timings if t.batch > 0])
         self._check_drift(timings)
         if math.isfinite(measured):
@@ -522,9 +564,9 @@ class Planner:
         if not self._drift_history:
             self._drift_history = [[] for _ in timings]
         for rank, (node, t) in enumerate(zip(cluster.nodes, timings, strict=True)):
-            predicted = node.forward_time(t.batch) + node.backward_time(t.batch)
+            predicted = node.forward_time(t.timed) + node.backward_time(t.timed)
             ratio = (t.fwd_s + t.bwd_s) / predicted if predicted > 0 else math.nan
-            if t.batch <= 0 or not math.isfinite(ratio) or ratio <= 0:
+            if t.timed <= 0 or not math.isfinite(ratio) or ratio <= 0:
                 continue  # no evidence either way (an empty or an invalid measurement)
             recent, history = self._drift_ratios[rank], self._drift_history[rank]
             recent.append(math.log(ratio))
@@ -789,10 +831,11 @@ class Planner:
         current = self.current.local_batches
         if current == plan.local_batches or sum(current) != sum(plan.local_batches):
             return plan
-        bounds = cluster.arrays  # the bounds optimal_split planned within
+        lo = np.array([n.min_batch for n in cluster.nodes])  # what optimal_split planned in
+        hi = np.array([math.inf if n.max_batch is None else n.max_batch for n in cluster.nodes])
         now = np.asarray(current)
-        fits = (bounds.lo <= now) | ((now == 0) & self.config.allow_zero)
-        if not np.all(fits & (now <= bounds.hi)):
+        fits = (lo <= now) | ((now == 0) & self.config.allow_zero)
+        if not np.all(fits & (now <= hi)):
             return plan  # a cap came down: the old split no longer fits
         kept = float(cluster.step_time(list(current)))
         hold = 1.0 + self._hold_tolerance(cluster)
@@ -829,19 +872,22 @@ class Planner:
         bounds = [cfg.cap_of(i) for i in range(cfg.world_size)]
         fitted = fit_nodes(self.fitters, cfg.names, [cfg.min_local] * cfg.world_size, bounds)
         nodes = []
-        for name, cap, model in zip(cfg.names, bounds, fitted, strict=True):
+        for rank, (name, cap, model) in enumerate(zip(cfg.names, bounds, fitted, strict=True)):
             if model is None and name in self.cached:  # measured before a restart, not since
                 model = dataclasses.replace(self.cached[name], min_batch=cfg.min_local,
                                             max_batch=cap)
             if model is None:
                 return None
-            nodes.append(model)
+            micro = cfg.micro_cap(rank)
+            nodes.append(model if micro is None else dataclasses.replace(model,
+                                                                         micro_batch=micro))
         return ClusterModel(nodes=nodes, comm=self.comm_fitter.fit() or CommModel())
 
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
         """The same models with this config's bounds and caps applied."""
         nodes = [NodeModel(fwd=n.fwd, bwd=n.bwd, min_batch=min_local,
-                           max_batch=self.config.cap_of(i), name=n.name, noise=n.noise)
+                           max_batch=self.config.cap_of(i), name=n.name, noise=n.noise,
+                           micro_batch=self.config.micro_cap(i))
                  for i, n in enumerate(cluster.nodes)]
         return ClusterModel(nodes=nodes, comm=cluster.comm)
 
