@@ -15,7 +15,16 @@ import pytest
 
 from cannikin.cli import main
 from cannikin.optperf import optimal_split, share_split
-from cannikin.sim import ClusterSpec, GroundTruth, NoiseConfig, SimConfig, Slowdown, compare
+from cannikin.sim import (
+    SCENARIOS,
+    ClusterSpec,
+    GroundTruth,
+    NoiseConfig,
+    SimConfig,
+    Slowdown,
+    cluster_from_arg,
+    compare,
+)
 from cannikin.sim import workload as get_workload
 from cannikin.sim.cluster import spec_from_dict
 from cannikin.sim.engine import drive, make_context, make_policy, run_policy
@@ -304,3 +313,67 @@ def test_cannikin_matches_adaptdl_when_homogeneous_and_wins_when_not() -> None:
     hetero = compare(SMALL, wl, cfg, ("adaptdl", "cannikin", "oracle")).summary()
     assert hetero["cannikin"]["time_to_target_s"] < 0.8 * hetero["adaptdl"]["time_to_target_s"]
     assert hetero["cannikin"]["ratio_to_oracle"] < 1.15
+
+
+def test_plan_cli_accumulates_beyond_the_memory_caps(tmp_path: Path, capsys) -> None:
+    # bert on paper16 holds 356 samples in one pass; 1024 needs passes, more on the A100s
+    example = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "paper16.toml"
+    args = ["plan", "--cluster", str(example), "--batch", "1024", "--workload",
+            "bert-base-squad"]
+    assert _cli(args) == 2
+    assert "--max-micro-batches" in capsys.readouterr().err
+    out_json = tmp_path / "plan.json"
+    assert _cli([*args, "--max-micro-batches", "8", "--json", str(out_json)]) == 0
+    payload = json.loads(out_json.read_text())
+    truth = GroundTruth(cluster_from_arg(str(example)), get_workload("bert-base-squad"),
+                        max_micro_batches=8)
+    caps = truth.max_local_batch
+    assert sum(payload["local_batches"]) == 1024
+    for b, passes, cap in zip(payload["local_batches"], payload["micro_batches"], caps,
+                              strict=True):
+        assert sum(passes) == b and max(passes) <= cap and len(passes) <= 8
+    assert max(len(p) for p in payload["micro_batches"]) > 1
+    assert payload["predicted_step_time_s"] == pytest.approx(
+        payload["simulated_step_time_s"], rel=0.05)
+    assert payload["even_split_step_time_s"] > 1.5 * payload["simulated_step_time_s"]
+    assert "passes" in capsys.readouterr().out
+
+
+def test_ground_truth_passes_before_the_last_run_ahead_of_its_backward() -> None:
+    truth = GroundTruth(SMALL, get_workload("resnet50-imagenet"), QUIET, max_micro_batches=4)
+    cap = truth.max_local_batch
+    split = np.array([2 * cap[0] + 3, 1, 1, 1])  # worker 0: three passes, the larger first
+    fwd, bwd = truth.expected_compute(split)
+    sizes = [split[0] // 3 + (j < split[0] % 3) for j in range(3)]
+    f, k = truth.pass_compute(np.array([[s, 1, 1, 1] for s in sizes], dtype=float))
+    assert fwd[0] == pytest.approx(float(f[0, 0] + k[0, 0] + f[1, 0] + k[1, 0] + f[2, 0]))
+    assert bwd[0] == pytest.approx(float(k[2, 0]))
+    assert (fwd[1], bwd[1]) == pytest.approx((float(f[0, 1]), float(k[0, 1])))
+    with pytest.raises(ValueError, match="max_micro_batches"):
+        GroundTruth(SMALL, get_workload("resnet50-imagenet"), max_micro_batches=0)
+
+
+def test_passes_beyond_memory_let_the_batch_grow_past_the_caps() -> None:
+    # GPT-small holds 9 samples per V100: 144 on 16 of them, below its best batch
+    wl = short("gpt-small-lm", epochs=0.3)  # the noise scale grows: B passes 144 late
+    spec = SCENARIOS["homogeneous16"]
+    cfg = SimConfig(seed=0)
+    one = compare(spec, wl, cfg, ("cannikin", "oracle")).summary()
+    more = compare(spec, wl, dataclasses.replace(cfg, max_micro_batches=8),
+                   ("cannikin", "oracle")).summary()
+    for policy in ("cannikin", "oracle"):
+        assert one[policy]["mean_total_batch"] <= 144
+        assert more[policy]["mean_total_batch"] > 144
+        assert more[policy]["time_to_target_s"] < one[policy]["time_to_target_s"]
+
+
+def test_measurements_time_the_first_pass_as_the_runtime_does() -> None:
+    truth = GroundTruth(SMALL, get_workload("gpt-small-lm"), QUIET, max_micro_batches=4)
+    cap = truth.max_local_batch
+    split = np.array([3 * cap[0], cap[1], 2, 1])
+    block = truth.run_steps(split, 0.0, 3, np.random.default_rng(0))
+    assert block.first_batch.tolist() == [cap[0], cap[1], 2, 1]
+    f, k = truth.pass_compute(block.first_batch)
+    np.testing.assert_allclose(block.first_fwd_s, np.broadcast_to(f, (3, 4)))
+    np.testing.assert_allclose(block.first_bwd_s, np.broadcast_to(k, (3, 4)))
+    assert block.fwd_s[0, 0] > 2 * (f[0] + k[0])  # two whole passes before the last

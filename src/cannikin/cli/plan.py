@@ -2,7 +2,8 @@
 
 A worker may be planned 0 samples when the step is faster so; one that still slows the
 step at 0 (its fixed time, its share of the all-reduce) is named, with the step time the
-planner's model predicts without it.
+planner's model predicts without it. With ``--max-micro-batches K`` a worker's share may
+exceed its memory cap, in up to K passes of at most the cap (gradient accumulation).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--workload", default="resnet50-imagenet",
                    help="workload whose profile sets each device's speed "
                         "(default: resnet50-imagenet)")
+    p.add_argument("--max-micro-batches", type=int, default=1, metavar="K",
+                   help="passes of at most its memory cap a worker may run per step, "
+                        "gradients accumulated (default 1: one pass)")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     p.set_defaults(func=run)
 
@@ -39,18 +43,26 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from cannikin.optperf import costly_workers, share_split, zero_split
+    from cannikin.perf import micro_batches
     from cannikin.sim import GroundTruth, cluster_from_arg, device, workload
 
     try:
+        if args.max_micro_batches < 1:
+            raise ValueError(f"--max-micro-batches {args.max_micro_batches} must be >= 1 "
+                             f"(1: one pass per step)")
         spec = cluster_from_arg(args.cluster)
         wl = workload(args.workload)
-        truth = GroundTruth(spec, wl)
+        truth = GroundTruth(spec, wl, max_micro_batches=args.max_micro_batches)
         caps = truth.max_local_batch
-        if not spec.num_workers <= args.batch <= caps.sum():
+        room = truth.max_share
+        if not spec.num_workers <= args.batch <= room.sum():
+            hint = ("" if args.max_micro_batches > 1 else
+                    "; --max-micro-batches K lets each worker run K passes of its cap")
             raise ValueError(f"--batch {args.batch} does not fit: it must be between the "
-                             f"worker count {spec.num_workers} and the total memory cap "
-                             f"{int(caps.sum())} for {wl.name}")
-        even = np.array(share_split(args.batch, np.ones(spec.num_workers), caps.tolist(),
+                             f"worker count {spec.num_workers} and {int(room.sum())}, the "
+                             f"total memory cap for {wl.name} times "
+                             f"{args.max_micro_batches} passes{hint}")
+        even = np.array(share_split(args.batch, np.ones(spec.num_workers), room.tolist(),
                                     minimum=1))
         cluster, plan = truth.linearised_plan(lambda c: zero_split(c, args.batch), even)
         costly = costly_workers(cluster, plan)
@@ -60,13 +72,15 @@ def run(args: argparse.Namespace) -> int:
     split = np.array(plan.local_batches)
     print(f"{wl.name}, total batch {args.batch}, on {spec.num_workers} workers "
           f"({spec.summary()})")
+    passes = [micro_batches(int(b), int(cap) if args.max_micro_batches > 1 else None)
+              for b, cap in zip(split, caps, strict=True)]
     print(f"{'worker':>6}  {'device':8}  {'local batch':>11}  {'memory cap':>10}  "
-          f"{'compute (ms)':>12}")
+          f"{'passes':>6}  {'compute (ms)':>12}")
     for i, node in enumerate(cluster.nodes):
         b = int(split[i])
-        compute = node.forward_time(b) + node.backward_time(b)
+        compute = sum(node.forward_time(m) + node.backward_time(m) for m in passes[i])
         print(f"{i:>6}  {device(spec.devices[i]).name:8}  {b:>11}  {int(caps[i]):>10}  "
-              f"{1000 * compute:>12.1f}")
+              f"{len(passes[i]):>6}  {1000 * compute:>12.1f}")
     even_time = truth.expected_step_time(even)
     opt_time = truth.expected_step_time(split)
     print(f"predicted step time: {1000 * plan.step_time:.1f} ms "
@@ -84,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         payload = {"workload": wl.name, "total_batch": args.batch,
                    "devices": [device(d).name for d in spec.devices],
                    "local_batches": [int(b) for b in split],
+                   "micro_batches": [list(p) for p in passes],
                    "predicted_step_time_s": plan.step_time,
                    "simulated_step_time_s": opt_time, "even_split_step_time_s": even_time,
                    "costly_workers": [{"worker": w.rank, "cost_s": w.cost_s,

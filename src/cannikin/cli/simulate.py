@@ -32,6 +32,9 @@ def register(subparsers: Any) -> None:
                         "batch), e.g. for a quick run")
     p.add_argument("--policies", default=None,
                    help="comma-separated subset of ddp,adaptdl,lb-bsp,cannikin,oracle")
+    p.add_argument("--max-micro-batches", type=int, default=1, metavar="K",
+                   help="passes of at most its memory cap a worker may run per step, "
+                        "gradients accumulated (default 1: one pass)")
     p.add_argument("--json", metavar="PATH", help="write per-policy figures as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of batch size and throughput")
     p.add_argument("--list", action="store_true",
@@ -104,19 +107,22 @@ def run(args: argparse.Namespace) -> int:
             if name not in POLICY_NAMES:
                 raise ValueError(f"unknown policy {name!r}; known policies: "
                                  f"{', '.join(POLICY_NAMES)}")
-        comparison = compare(spec, wl, SimConfig(seed=args.seed), policies)
+        config = SimConfig(seed=args.seed, max_micro_batches=args.max_micro_batches)
+        comparison = compare(spec, wl, config, policies)
     except ValueError as exc:
         print(f"cannikin simulate: error: {exc}", file=sys.stderr)
         return 2
     summary = comparison.summary()
+    passes = (f", up to {args.max_micro_batches} passes per step"
+              if args.max_micro_batches > 1 else "")
     print(f"{wl.name} on {spec.name or args.cluster} ({spec.num_workers} workers: "
-          f"{spec.summary()}), seed {args.seed}")
+          f"{spec.summary()}), seed {args.seed}{passes}")
     print(table(summary))
     if args.json:
         payload: dict[str, Any] = {
             "cluster": spec.name or args.cluster, "cluster_summary": spec.summary(),
             "num_workers": spec.num_workers, "workload": wl.name, "seed": args.seed,
-            **summary,
+            "max_micro_batches": args.max_micro_batches, **summary,
         }
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n", "utf-8")
     if args.plot:

@@ -20,7 +20,7 @@ from cannikin.sim.cluster import ClusterSpec
 from cannikin.sim.measure import Measurement, PolicyContext
 from cannikin.sim.policies import LEARNING_POLICIES, POLICY_NAMES, Oracle, Policy
 from cannikin.sim.profiles import Workload
-from cannikin.sim.truth import GroundTruth, NoiseConfig
+from cannikin.sim.truth import GroundTruth, NoiseConfig, StepBlock
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class SimConfig:
     max_time_s: float = 30 * 86400.0
     """Give up (time_to_target = None) after this much simulated time."""
     noise: NoiseConfig = field(default_factory=NoiseConfig)
+    max_micro_batches: int = 1
+    """Passes of at most its memory cap a worker may run per step (gradient accumulation)."""
 
     def __post_init__(self) -> None:
         if not self.replan_interval_s > 0 or not self.max_time_s > 0:
@@ -53,6 +55,8 @@ class SimConfig:
                              f"{self.min_block_steps}, {self.max_block_steps}")
         if self.first_block_steps < 1 or self.sampled_steps < 1:
             raise ValueError("first_block_steps and sampled_steps must be >= 1")
+        if self.max_micro_batches < 1:
+            raise ValueError(f"max_micro_batches must be >= 1, got {self.max_micro_batches}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +87,7 @@ def make_context(truth: GroundTruth) -> PolicyContext:
         max_local_batch=tuple(int(c) for c in truth.max_local_batch),
         init_batch=w.init_batch,
         max_batch=max(w.max_batch, truth.num_workers),
+        max_micro_batches=truth.max_micro_batches,
     )
 
 
@@ -97,19 +102,20 @@ def make_policy(name: str, ctx: PolicyContext, truth: GroundTruth) -> Policy:
 
 def _validate_split(split: Sequence[int], ctx: PolicyContext, policy: str) -> np.ndarray:
     b = np.asarray(split, dtype=np.int64)
-    caps = np.array(ctx.max_local_batch)
+    caps = np.array(ctx.max_share)
     if b.shape != (ctx.num_workers,) or (b < 1).any() or (b > caps).any():
         raise ValueError(f"policy {policy!r} returned an invalid split {tuple(split)} for "
-                         f"{ctx.num_workers} workers with memory caps {ctx.max_local_batch}")
+                         f"{ctx.num_workers} workers with memory caps {ctx.max_local_batch} "
+                         f"and up to {ctx.max_micro_batches} passes")
     return b
 
 
-def _measure(block_times: np.ndarray, block_fwd: np.ndarray, block_bwd: np.ndarray,
-             block_comm: np.ndarray, split: np.ndarray, truth: GroundTruth, progress: float,
+def _measure(block: StepBlock, split: np.ndarray, truth: GroundTruth, progress: float,
              elapsed: float, cfg: SimConfig, rng: np.random.Generator,
              gradient_norms: bool) -> Measurement:
-    """What the profiler reports: sampled steps' phases and gradient norms, with jitter."""
-    steps = len(block_times)
+    """What the profiler reports: sampled steps' phases (of the first pass, where a worker
+    accumulates) and gradient norms, with jitter."""
+    steps = len(block.step_s)
     k = min(cfg.sampled_steps, steps)
     idx = np.sort(rng.choice(steps, size=k, replace=False))
 
@@ -123,11 +129,14 @@ def _measure(block_times: np.ndarray, block_fwd: np.ndarray, block_bwd: np.ndarr
         local_sq, global_sq = truth.gradient_sqnorms(split, progress, steps, rng)
     else:
         local_sq, global_sq = np.zeros((0, len(split))), np.zeros(0)
+    timed = tuple(int(x) for x in block.first_batch)
+    local = tuple(int(x) for x in split)
     return Measurement(
-        local_batches=tuple(int(x) for x in split), steps=steps, elapsed_s=elapsed,
-        step_s=jitter(block_times), fwd_s=jitter(block_fwd[idx]), bwd_s=jitter(block_bwd[idx]),
-        ready_fractions=rho, allreduce_s=jitter(block_comm[idx]),
+        local_batches=local, steps=steps, elapsed_s=elapsed, step_s=jitter(block.step_s),
+        fwd_s=jitter(block.first_fwd_s[idx]), bwd_s=jitter(block.first_bwd_s[idx]),
+        ready_fractions=rho, allreduce_s=jitter(block.allreduce_s[idx]),
         local_sqnorms=local_sq, global_sqnorm=global_sq,
+        timed_batches=() if timed == local else timed,
     )
 
 
@@ -158,8 +167,7 @@ def drive(truth: GroundTruth, policy: Policy, ctx: PolicyContext,
         result = truth.run_steps(split, t, k, rng)
         duration = float(result.step_s.sum())
         t += duration
-        measurement = _measure(result.step_s, result.fwd_s, result.bwd_s, result.allreduce_s,
-                               split, truth, progress / target, t, cfg, rng,
+        measurement = _measure(result, split, truth, progress / target, t, cfg, rng,
                                policy.needs_gradient_norms)
         progress += k * per_step
         steps += k
@@ -223,7 +231,7 @@ def compare(spec: ClusterSpec, workload: Workload, cfg: SimConfig | None = None,
     if unknown:
         raise ValueError(f"unknown policy {unknown[0]!r}; known policies: "
                          f"{', '.join(POLICY_NAMES)}")
-    truth = GroundTruth(spec, workload, cfg.noise)
+    truth = GroundTruth(spec, workload, cfg.noise, max_micro_batches=cfg.max_micro_batches)
     results = {}
     for name in policies:
         results[name] = run_policy(truth, name, cfg)

@@ -24,13 +24,18 @@ class PolicyContext:
 
     num_workers: int
     max_local_batch: tuple[int, ...]
-    """Per-worker memory bound on the local batch (the runtime's ``max_local_batch``)."""
+    """Per-worker memory bound on one pass (the runtime's ``max_local_batch``)."""
     init_batch: int
     """B0: the batch size the hyper-parameters were tuned for."""
     max_batch: int
     """Largest total batch the user allows."""
+    max_micro_batches: int = 1
+    """Passes of at most ``max_local_batch`` a worker may run per step, gradients
+    accumulated (the runtime's ``max_micro_batches``)."""
 
     def __post_init__(self) -> None:
+        if self.max_micro_batches < 1:
+            raise ValueError(f"max_micro_batches must be >= 1, got {self.max_micro_batches}")
         if len(self.max_local_batch) != self.num_workers:
             raise ValueError(f"max_local_batch has {len(self.max_local_batch)} entries for "
                              f"{self.num_workers} workers")
@@ -40,6 +45,11 @@ class PolicyContext:
         if self.max_batch < self.start_batch:
             raise ValueError(f"max_batch {self.max_batch} is below the start batch "
                              f"{self.start_batch}")
+
+    @property
+    def max_share(self) -> tuple[int, ...]:
+        """Per-worker largest local batch: its memory bound times the passes allowed."""
+        return tuple(c * self.max_micro_batches for c in self.max_local_batch)
 
     @property
     def start_batch(self) -> int:
@@ -73,6 +83,9 @@ class Measurement:
     """(steps, n) |g_i|^2 of each worker's local mean gradient; (0, n) if not gathered."""
     global_sqnorm: np.ndarray
     """(steps,) |g|^2 of the all-reduced gradient."""
+    timed_batches: tuple[int, ...] = ()
+    """The samples of the pass each worker's ``fwd_s`` and ``bwd_s`` time: its first one
+    where it accumulates, as the runtime measures; () for ``local_batches``."""
 
     def __post_init__(self) -> None:
         for name in ("step_s", "fwd_s", "bwd_s", "ready_fractions", "allreduce_s",
@@ -82,3 +95,8 @@ class Measurement:
     @property
     def total_batch(self) -> int:
         return sum(self.local_batches)
+
+    @property
+    def timed(self) -> tuple[int, ...]:
+        """:attr:`timed_batches`, or the local batches where every worker ran one pass."""
+        return self.timed_batches or self.local_batches

@@ -8,6 +8,7 @@ OptPerf and goodput on the noise-free ground truth with the true noise scale.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
@@ -33,7 +34,8 @@ class Policy(ABC):
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
-        self._caps = np.array(ctx.max_local_batch, dtype=np.int64)
+        self._caps = np.array(ctx.max_share, dtype=np.int64)
+        """Largest local batch per worker (passes included)."""
 
     @abstractmethod
     def decide(self) -> tuple[int, ...]:
@@ -84,7 +86,7 @@ class LBBSP(Policy):
 
     def observe(self, m: Measurement) -> None:
         compute = np.median(m.fwd_s + m.bwd_s, axis=0)
-        rate = np.asarray(m.local_batches, dtype=float) / compute
+        rate = np.asarray(m.timed, dtype=float) / compute
         self._rate = rate if self._rate is None else (
             self.smoothing * self._rate + (1 - self.smoothing) * rate)
 
@@ -154,6 +156,12 @@ class _Learning(Policy):
         grown = np.ceil(self.extrapolation * np.maximum(self._seen, 1)).astype(np.int64)
         return np.minimum(self._caps, grown)
 
+    def _passes(self, node: NodeModel, cap: int) -> NodeModel:
+        """``node`` running passes of at most ``cap`` (its memory) where passes are allowed."""
+        if self.ctx.max_micro_batches == 1 or node.max_batch is None or node.max_batch <= cap:
+            return node
+        return dataclasses.replace(node, micro_batch=cap)
+
     def _observe_common(self, m: Measurement) -> None:
         self._blocks += 1
         self._seen = np.maximum(self._seen, np.asarray(m.local_batches, dtype=np.int64))
@@ -184,13 +192,15 @@ class AdaptDL(_Learning):
         if model is None or comm is None:
             return self._even(self._batch)
         cap = int(self._trusted_caps().min())
-        nodes = [NodeModel(fwd=model.fwd, bwd=model.bwd, max_batch=cap, min_batch=1,
-                           name=f"replica{i}") for i in range(self.ctx.num_workers)]
+        memory = min(self.ctx.max_local_batch)
+        nodes = [self._passes(NodeModel(fwd=model.fwd, bwd=model.bwd, max_batch=cap,
+                                        min_batch=1, name=f"replica{i}"), memory)
+                 for i in range(self.ctx.num_workers)]
         split = self._choose(ClusterModel(nodes=nodes, comm=comm))
         return self._even(sum(split))
 
     def observe(self, m: Measurement) -> None:
-        b = float(np.median(m.local_batches))
+        b = float(np.median(m.timed))
         for fwd, bwd in zip(m.fwd_s.max(axis=1), m.bwd_s.max(axis=1), strict=True):
             self._node.add(b, float(fwd), float(bwd))
         self._observe_common(m)
@@ -210,14 +220,15 @@ class Cannikin(_Learning):
         caps = self._trusted_caps()
         models = fit_nodes(self._nodes, [str(i) for i in range(len(caps))], [1] * len(caps),
                            [int(cap) for cap in caps])
-        fitted = [mdl for mdl in models if mdl is not None]
+        fitted = [self._passes(mdl, memory) for mdl, memory
+                  in zip(models, self.ctx.max_local_batch, strict=True) if mdl is not None]
         if comm is None or len(fitted) < len(models):
             return self._even(self._batch)
         return self._choose(ClusterModel(nodes=fitted, comm=comm))
 
     def observe(self, m: Measurement) -> None:
         for i, fitter in enumerate(self._nodes):
-            b = m.local_batches[i]
+            b = m.timed[i]
             for fwd, bwd in zip(m.fwd_s[:, i], m.bwd_s[:, i], strict=True):
                 fitter.add(b, float(fwd), float(bwd))
         self._observe_common(m)

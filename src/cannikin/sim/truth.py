@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cannikin.optperf import Plan
-from cannikin.perf import ClusterModel, CommModel, NodeModel
+from cannikin.perf import ClusterModel, CommModel, NodeModel, micro_batches
 from cannikin.sim.cluster import ClusterSpec
 from cannikin.sim.profiles import Workload, device
 
@@ -56,20 +56,29 @@ class NoiseConfig:
 class StepBlock:
     """Ground truth of ``steps`` consecutive steps with one split."""
 
-    fwd_s: np.ndarray        # (steps, n)
-    bwd_s: np.ndarray        # (steps, n)
+    fwd_s: np.ndarray        # (steps, n), earlier passes included
+    bwd_s: np.ndarray        # (steps, n), the last pass's
     allreduce_s: np.ndarray  # (steps, m) duration of each bucket's all-reduce
     step_s: np.ndarray       # (steps,)
+    first_batch: np.ndarray  # (n,) samples of each worker's first pass
+    first_fwd_s: np.ndarray  # (steps, n) the first pass's forward (what the runtime times)
+    first_bwd_s: np.ndarray  # (steps, n) and backward
 
 
 class GroundTruth:
     """Step-time and gradient-statistics ground truth for one cluster and workload."""
 
     def __init__(self, spec: ClusterSpec, workload: Workload,
-                 noise: NoiseConfig | None = None) -> None:
+                 noise: NoiseConfig | None = None, max_micro_batches: int = 1) -> None:
+        if not isinstance(max_micro_batches, int) or max_micro_batches < 1:
+            raise ValueError(f"max_micro_batches must be an integer >= 1, got "
+                             f"{max_micro_batches!r}")
         self.spec = spec
         self.workload = workload
         self.noise = noise or NoiseConfig()
+        self.max_micro_batches = max_micro_batches
+        """A worker's local batch may reach this many passes of its memory cap
+        (``max_local_batch``), gradients accumulated (1: one pass)."""
         profiles = [device(name) for name in spec.devices]
         n = spec.num_workers
         self.num_workers = n
@@ -103,24 +112,61 @@ class GroundTruth:
                 factor[s.worker] *= s.factor
         return factor
 
-    def expected_compute(self, local_batches: np.ndarray, t: float = 0.0
-                         ) -> tuple[np.ndarray, np.ndarray]:
-        """Noise-free forward and backward time per worker at time ``t``."""
-        b = np.asarray(local_batches, dtype=float)
+    @property
+    def max_share(self) -> np.ndarray:
+        """Per-worker largest local batch: the memory cap times the passes allowed."""
+        result: np.ndarray = self.max_local_batch * self.max_micro_batches
+        return result
+
+    def pass_compute(self, batch: np.ndarray, t: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """Noise-free forward and backward time of one pass of ``batch`` samples per worker
+        (shape (n,) or (k, n)) at time ``t``."""
+        b = np.asarray(batch, dtype=float)
         work = np.sqrt(b * b + self._knee ** 2) * self.slowdown(t)
         return (self._fwd_overhead + self._fwd_per_sample * work,
                 self._bwd_overhead + self._bwd_per_sample * work)
+
+    def expected_compute(self, local_batches: np.ndarray, t: float = 0.0
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """Noise-free forward and backward time per worker at time ``t``. A local batch
+        beyond the memory cap runs as :func:`~cannikin.perf.micro_batches` where passes
+        are allowed: the passes before the last count in the forward (they finish before
+        the last pass's backward, the one that overlaps the all-reduce)."""
+        b = np.asarray(local_batches, dtype=float)
+        fwd, bwd = self.pass_compute(b, t)
+        if self.max_micro_batches == 1:
+            return fwd, bwd
+        earlier = np.zeros(self.num_workers)
+        last = b.copy()
+        for i, cap in enumerate(self.max_local_batch):
+            sizes = micro_batches(int(b[i]), int(cap))
+            if len(sizes) > 1:
+                f, k = self.pass_compute(np.array(sizes[:-1], dtype=float)[:, None], t)
+                earlier[i] = float((f[:, i] + k[:, i]).sum())
+                last[i] = sizes[-1]
+        fwd, bwd = self.pass_compute(last, t)
+        return fwd + earlier, bwd
 
     def expected_step_time(self, local_batches: np.ndarray, t: float = 0.0) -> float:
         """Noise-free step time of one split (the timeline without noise)."""
         fwd, bwd = self.expected_compute(local_batches, t)
         return float(timeline(fwd[None], bwd[None], self.ready, self.allreduce_s[None])[0])
 
+    def first_pass(self, local_batches: np.ndarray) -> np.ndarray:
+        """Samples of each worker's first pass (its local batch unless it accumulates)."""
+        b = np.asarray(local_batches, dtype=np.int64)
+        if self.max_micro_batches == 1:
+            return b
+        return np.array([micro_batches(int(v), int(cap))[0]
+                         for v, cap in zip(b, self.max_local_batch, strict=True)])
+
     def run_steps(self, local_batches: np.ndarray, t: float, steps: int,
                   rng: np.random.Generator) -> StepBlock:
         """Draw ``steps`` noisy steps with one split, starting at simulated time ``t``."""
         n, m = self.num_workers, len(self.ready)
         fwd, bwd = self.expected_compute(local_batches, t)
+        first = self.first_pass(local_batches)
+        first_fwd, first_bwd = self.pass_compute(first, t)
         cfg = self.noise
         noise_f = rng.lognormal(0.0, cfg.compute_cv, (steps, n))
         noise_b = rng.lognormal(0.0, cfg.compute_cv, (steps, n))
@@ -130,7 +176,9 @@ class GroundTruth:
         bwd_s = bwd * noise_b * spikes
         comm = self.allreduce_s * rng.lognormal(0.0, cfg.comm_cv, (steps, m))
         step_s = timeline(fwd_s, bwd_s, self.ready, comm)
-        return StepBlock(fwd_s=fwd_s, bwd_s=bwd_s, allreduce_s=comm, step_s=step_s)
+        return StepBlock(fwd_s=fwd_s, bwd_s=bwd_s, allreduce_s=comm, step_s=step_s,
+                         first_batch=first, first_fwd_s=first_fwd * noise_f * spikes,
+                         first_bwd_s=first_bwd * noise_b * spikes)
 
     # --- statistics ---------------------------------------------------------------------
 
@@ -177,11 +225,12 @@ class GroundTruth:
     # --- linearised views (the oracle and `cannikin plan`) ------------------------------
 
     def linear_nodes(self, lo: np.ndarray, hi: np.ndarray, t: float = 0.0) -> list[NodeModel]:
-        """Per-worker least-squares lines through the true compute curves on [lo_i, hi_i]."""
+        """Per-worker least-squares lines through the true compute curve of one pass on
+        [lo_i, hi_i] (with passes allowed, each node's ``micro_batch`` is its memory cap)."""
         lo = np.asarray(lo, dtype=float)
         hi = np.maximum(np.asarray(hi, dtype=float), lo)
         grid = lo + np.linspace(0.0, 1.0, 16)[:, None] * (hi - lo)   # (16, n)
-        fwd, bwd = self.expected_compute(grid, t)
+        fwd, bwd = self.pass_compute(grid, t)
 
         def line(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             db = grid - grid.mean(axis=0)
@@ -192,8 +241,10 @@ class GroundTruth:
             return np.where(flat, 0.0, y.mean(axis=0) - slope * grid.mean(axis=0)), slope
 
         (f0, f1), (k0, k1) = line(fwd), line(bwd)
+        passes = self.max_micro_batches > 1
         return [NodeModel(fwd=(float(f0[i]), float(f1[i])), bwd=(float(k0[i]), float(k1[i])),
-                          max_batch=int(self.max_local_batch[i]), min_batch=1,
+                          max_batch=int(self.max_share[i]), min_batch=1,
+                          micro_batch=int(self.max_local_batch[i]) if passes else None,
                           name=f"{i}:{device(self.spec.devices[i]).name}")
                 for i in range(self.num_workers)]
 
@@ -213,9 +264,11 @@ class GroundTruth:
         so this iterates until the split stops moving (at most ``rounds`` times).
         """
         current = np.asarray(split, dtype=float)
+        cap = self.max_local_batch
         for _ in range(rounds):
-            lo = np.maximum(1.0, np.floor(current / 2))
-            hi = np.minimum(self.max_local_batch, np.ceil(current * 2) + 8)
+            size = current / np.maximum(1.0, np.ceil(current / cap))  # a pass's samples
+            lo = np.maximum(1.0, np.floor(size / 2))
+            hi = np.minimum(cap, np.ceil(size * 2) + 8)
             cluster = self.linear_cluster(lo, hi, t)
             result = plan(cluster)
             new = np.array(result.local_batches, dtype=float)
