@@ -457,3 +457,25 @@ def test_tracker_state_round_trips_through_json() -> None:
         gns.NoiseScaleTracker(restart_sigmas=0.0)
     with pytest.raises(ValueError, match="restart_smoothing"):
         gns.NoiseScaleTracker(restart_smoothing=1.0)
+
+
+def test_more_gradient_groups_of_the_same_samples_estimate_with_less_variance() -> None:
+    # the runtime's micro-batches as groups (issue 18): 64 samples as 2 workers of 32, or
+    # as 8 passes of 8; Monte Carlo of Gaussian per-sample gradients, d = 20
+    rng = np.random.default_rng(3)
+    trials, d, total = 4000, 20, 64
+    true_g = np.full(d, 0.3)
+    samples = true_g + rng.standard_normal((trials, total, d))  # tr(Sigma) = d
+    whole = samples.mean(axis=1)
+    global_sq = (whole ** 2).sum(axis=1)
+    spread = {}
+    for groups in (2, 8):
+        means = samples.reshape(trials, groups, total // groups, d).mean(axis=2)
+        local_sq = (means ** 2).sum(axis=2)
+        sizes = [total // groups] * groups
+        var = np.array([gns.estimate(local_sq[t], sizes, float(global_sq[t]))[1]
+                        for t in range(trials)])
+        assert var.mean() == pytest.approx(d, rel=0.05)  # unbiased either way
+        spread[groups] = var.var()
+    # Var(S*) ~ 2 tr(Sigma^2) / (n - 1) per group count n: 1/7 of two groups' for eight
+    assert spread[8] < 0.25 * spread[2], spread

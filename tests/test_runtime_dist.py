@@ -252,6 +252,9 @@ def test_accumulated_passes_give_the_mean_gradient_over_the_step(figures: dict[s
                                                                  phase: str) -> None:
     got = figures["accumulate"][phase]
     assert got["rel_err"] < 1e-5 and got["sqnorm_err"] < 1e-5, got
+    # each micro-batch's own |g|^2 (the noise scale's groups), one update a step
+    assert got["grouped"] > 0 and got["pass_sqnorm_err"] < 1e-5, got
+    assert got["noise_updates"] == got["steps"] - 1
     assert "loader.steps()" in got["flat"]  # the one-pass loop is refused by name
     assert got["samples"] == got["distinct"]  # every sample of the steps once
     _assert_timings_consistent(got["timings"])

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cannikin.gns import estimate
 from cannikin.optperf import optimal_split, share_split
 from cannikin.perf import ClusterModel, CommModel, NodeModel
 from cannikin.runtime.planner import (
@@ -235,6 +236,8 @@ def test_even_split_under_caps(total: int, caps: list[int | None]) -> None:
     ({"max_batch": 10}, "max_batch_size 10 is below batch_size 32"),
     ({"caps": (4, 4)}, "does not fit the local caps"),
     ({"min_local": 20}, "local_bsz_bounds lo=20"),
+    ({"max_micro_batches": 17}, r"max_micro_batches must be in \[1, 16\], got 17"),
+    ({"caps": (2, 2), "accumulate": True, "max_micro_batches": 4}, "does not fit"),
 ])
 def test_config_errors_name_the_value(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -250,3 +253,49 @@ def test_info_logs_one_line_per_change_of_plan(caplog: pytest.LogCaptureFixture)
                   for a, b in zip(planner.history, planner.history[1:], strict=False))
     assert len(planner.history) > len(infos) == changes > 0
     assert all(m.startswith("plan at step") for m in infos)  # fitted models: DEBUG only
+
+
+def test_reports_with_passes_round_trip_and_older_rank_checkpoints_load() -> None:
+    timing = StepReport(batch=20, timed_batch=7, sqnorm=2.5, fwd_s=0.1, bwd_s=0.2,
+                        step_s=0.4, ready_fractions=(0.5, 1.0), allreduce_s=(0.01, 0.02),
+                        pass_sqnorms=(3.0, 2.0, 4.0))
+    assert StepReport.from_vector(timing.to_vector()) == timing
+    one_pass = StepReport(batch=9, sqnorm=1.5, fwd_s=0.1, bwd_s=0.2, step_s=0.4)
+    vector = one_pass.to_vector()
+    older = vector[:1] + vector[2:7 + 2 * MAX_BUCKETS]  # before timed_batch and passes
+    assert StepReport.from_vector(older) == one_pass
+    with pytest.raises(ValueError, match="a step report has"):
+        StepReport.from_vector(vector[:-1])
+
+
+def _grouped_step(planner: Planner, previous: list[StepReport], global_sqnorm: float) -> None:
+    rows = [WorkerReport(batch=p.batch, previous=p) for p in previous]
+    planner.observe(1, rows, global_sqnorm)
+
+
+def test_micro_batches_are_the_noise_scales_gradient_groups() -> None:
+    # caps 4 and 8: worker 0 runs 10 as 4, 3, 3 and worker 1 runs 6 in one pass
+    planner = Planner(PlannerConfig(world_size=2, init_batch=16, caps=(4, 8), accumulate=True,
+                                    max_micro_batches=4, max_batch=64))
+    assert planner.passes(0, 10) == (4, 3, 3) and planner.passes(1, 6) == (6,)
+    reports = [StepReport(batch=10, timed_batch=4, sqnorm=1.3, fwd_s=0.1, bwd_s=0.1,
+                          step_s=0.3, pass_sqnorms=(1.5, 1.8, 1.7)),
+               StepReport(batch=6, sqnorm=1.4, fwd_s=0.1, bwd_s=0.1, step_s=0.3)]
+    _grouped_step(planner, reports, 1.1)
+    want = estimate([1.5, 1.8, 1.7, 1.4], [4, 3, 3, 6], 1.1)
+    assert (planner.noise.raw_grad_sqr, planner.noise.raw_grad_var) == pytest.approx(want)
+    wrong = [dataclasses.replace(reports[0], pass_sqnorms=(1.5, 1.8)), reports[1]]
+    with pytest.raises(ValueError, match="2 passes' norms for the 3 passes of 10"):
+        _grouped_step(planner, wrong, 1.1)
+
+
+def test_one_worker_in_passes_estimates_the_noise_scale() -> None:
+    planner = Planner(PlannerConfig(world_size=1, init_batch=16, caps=(4,), accumulate=True,
+                                    max_micro_batches=8, max_batch=32))
+    report = StepReport(batch=16, timed_batch=4, sqnorm=1.2, fwd_s=0.1, bwd_s=0.1,
+                        step_s=0.3, pass_sqnorms=(1.6, 1.4, 1.5, 1.7))
+    _grouped_step(planner, [report], 1.1)
+    assert planner.noise.num_updates == 1 and planner.noise.noise_scale() is not None
+    alone = Planner(PlannerConfig(world_size=1, init_batch=16, max_batch=32))
+    _grouped_step(alone, [dataclasses.replace(report, pass_sqnorms=())], 1.1)
+    assert alone.noise.num_updates == 0  # one group: nothing to estimate from

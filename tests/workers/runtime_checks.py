@@ -139,7 +139,7 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
             assert measured is not None, "the hook did not take |g|^2"
             sqnorm_err = max(sqnorm_err, _relative(measured, _sqnorm(ref)))
         elif hooked:
-            assert state.sqnorms() == (0.0, None)
+            assert state.sqnorms() == (0.0, None, ())
     figures = {"rel_err": worst, "sqnorm_err": sqnorm_err}
     if exchange is None:
         return figures
@@ -736,7 +736,8 @@ def _accumulated_run(split: str, batch_size: int, caps: list[int | None], passes
         flat = None
     except RuntimeError as error:
         flat = str(error)
-    worst = sq_worst = 0.0
+    worst = sq_worst = pass_worst = 0.0
+    grouped = 0
     passes: list[list[int]] = []
     seen: list[int] = []
     for step, micro in enumerate(loader.steps()):
@@ -749,8 +750,17 @@ def _accumulated_run(split: str, batch_size: int, caps: list[int | None], passes
             mine += idx.tolist()
             sizes.append(len(idx))
         scale_now = 1.0 if scaler is None else float(scaler.get_scale())
-        local_sq, _ = model.comm.sqnorms()
+        local_sq, _, pass_sq = model.comm.sqnorms()
         local_sq /= scale_now ** 2
+        if pass_sq:  # each micro-batch's own |g|^2, the noise scale's groups
+            start = 0
+            for size, got in zip(sizes, pass_sq, strict=True):
+                part = mine[start:start + size]
+                start += size
+                ref.zero_grad()
+                F.cross_entropy(ref(data.tensors[0][part]), data.tensors[1][part]).backward()
+                pass_worst = max(pass_worst, _relative(got / scale_now ** 2, _sqnorm(ref)))
+                grouped += 1
         union = torch.tensor(_all_indices(mine))
         ref.zero_grad()
         F.cross_entropy(ref(data.tensors[0][union]), data.tensors[1][union]).backward()
@@ -779,7 +789,9 @@ def _accumulated_run(split: str, batch_size: int, caps: list[int | None], passes
             "split": list(model.plan.local_batches), "timings": _timings(sink.rows),
             "timed_sizes": timed, "samples": len(_all_indices(seen)),
             "distinct": len(set(_all_indices(seen))), "steps": model.step,
-            "totals": [row["total_batch"] for row in sink.rows],
+            "totals": [row["total_batch"] for row in sink.rows], "pass_sqnorm_err": pass_worst,
+            "grouped": grouped,
+            "noise_updates": model.planner.noise.num_updates,
             "splits": [row["local_batches"] for row in sink.rows]}
 
 

@@ -78,6 +78,12 @@ class CommState:
     done: list[Any] = field(default_factory=list)
     local_parts: list[torch.Tensor] = field(default_factory=list)
     global_parts: list[torch.Tensor] = field(default_factory=list)
+    pass_parts: list[list[torch.Tensor]] = field(default_factory=list)
+    """Per micro-batch of a step in several passes: its own gradient's |g|^2 parts, taken
+    by hooks on the parameters (:meth:`watch_passes`); empty when not watched."""
+    pass_index: int = 0
+    """The micro-batch whose backward is running."""
+    pass_hooks: list[Any] = field(default_factory=list)
     rows: np.ndarray | None = None
     """Per-step exchange (float64) to sum over ranks, sent with bucket ``carrier_slot``."""
     rows_tail: torch.Tensor | None = None
@@ -133,16 +139,39 @@ class CommState:
             return None
         return decode_rows(self.rows_tail.cpu().numpy()).reshape(self.rows.shape)
 
-    def sqnorms(self) -> tuple[float, float | None]:
-        """|g_i|^2 of this step's local gradient (0.0 if no bucket was seen) and |g|^2 of
-        the all-reduced one (None if the hook did not measure it), read in one transfer:
-        on a GPU one host synchronisation, not one per part (with Adam a part is a
-        parameter)."""
+    def sqnorms(self) -> tuple[float, float | None, tuple[float, ...]]:
+        """|g_i|^2 of this step's local gradient (0.0 if no bucket was seen), |g|^2 of the
+        all-reduced one (None if the hook did not measure it) and each watched micro-
+        batch's |g|^2 (() if none), read in one transfer: on a GPU one host
+        synchronisation, not one per part (with Adam a part is a parameter)."""
         measured = self.capture_sqnorm and bool(self.global_parts)
-        groups = [self.local_parts, self.global_parts if measured else []]
+        groups = [self.local_parts, self.global_parts if measured else [], *self.pass_parts]
         device = next((part.device for group in groups for part in group), torch.device("cpu"))
-        local, global_ = torch.stack([_total(group, device) for group in groups]).tolist()
-        return float(local) * self.sqnorm_scale ** 2, float(global_) if measured else None
+        local, global_, *passes = torch.stack([_total(group, device)
+                                               for group in groups]).tolist()
+        return (float(local) * self.sqnorm_scale ** 2, float(global_) if measured else None,
+                tuple(float(v) for v in passes))
+
+    def watch_passes(self, params: list[torch.Tensor], count: int) -> None:
+        """Take each of a step's ``count`` micro-batches' own |g|^2 (through ``transform``)
+        from its gradients as the backward produces them, before they accumulate: the
+        noise scale's gradient groups. Until :meth:`unwatch_passes`."""
+        self.unwatch_passes()
+        self.pass_parts = [[] for _ in range(count)]
+        self.pass_index = 0
+        self.pass_hooks = [p.register_hook(self._pass_hook(p))  # type: ignore[no-untyped-call]
+                           for p in params if p.requires_grad]
+
+    def unwatch_passes(self) -> None:
+        for handle in self.pass_hooks:
+            handle.remove()
+        self.pass_hooks, self.pass_parts = [], []
+
+    def _pass_hook(self, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def record(grad: torch.Tensor) -> None:
+            part = grad if self.transform is None else self.transform(param, grad)
+            self.pass_parts[self.pass_index].append(_sqnorm(part.detach().reshape(-1)))
+        return record
 
     def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """A CUDA stream of this state's own on ``device`` (None on CPU): the all-reduces

@@ -448,6 +448,10 @@ class HeteroDataParallel(nn.Module):
         cycle.norms = cycle.measuring and (self.attached.noise_decides
                                            or cycle.step % NORM_STRIDE == 0)
         self.comm.capture_sqnorm = cycle.norms
+        if cycle.norms and len(cycle.passes) > 1:
+            self.comm.watch_passes(list(self.ddp.module.parameters()), len(cycle.passes))
+        else:
+            self.comm.unwatch_passes()
         cycle.bwd_start = None
         cycle.oom = False
         cycle.stepping = True
@@ -464,7 +468,7 @@ class HeteroDataParallel(nn.Module):
         passes = cycle.passes
         if not 0 <= index < len(passes):
             raise RuntimeError(f"pass {index} of a step of {len(passes)} micro-batches")
-        cycle.pass_index = index
+        cycle.pass_index = self.comm.pass_index = index
         self.ddp.require_backward_grad_sync = index == len(passes) - 1
         if index == 0:
             return
@@ -493,8 +497,10 @@ class HeteroDataParallel(nn.Module):
             if not (cycle.stepping and torch.is_grad_enabled()):
                 raise
             out = self._placeholder_after_oom(args, kwargs)
-        timed_pass = cycle.pass_index in (0, len(cycle.passes) - 1)
-        if cycle.stepping and cycle.measuring and torch.is_grad_enabled() and timed_pass:
+        unmarked = ((cycle.pass_index == 0 and cycle.bwd_start is None)
+                    or (cycle.pass_index == len(cycle.passes) - 1
+                        and cycle.last_bwd_start is None))
+        if cycle.stepping and cycle.measuring and torch.is_grad_enabled() and unmarked:
             tensor = _first_grad_tensor(out)
             if tensor is not None:
                 tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
@@ -533,7 +539,8 @@ class HeteroDataParallel(nn.Module):
                        **_map_batched(kwargs, lambda t: t[:2]))
         return _map_batched(out, lambda t: t[:1].expand(batch, *t.shape[1:]))
 
-    def _measure(self, step_s: float, local_sqnorm: float) -> StepReport:
+    def _measure(self, step_s: float, local_sqnorm: float,
+                 pass_sqnorms: tuple[float, ...]) -> StepReport:
         """This rank's measurements of the step just finished (its period ``step_s``)."""
         cycle = self._cycle
         clock, comm = self.clock, self.comm
@@ -565,7 +572,8 @@ class HeteroDataParallel(nn.Module):
             fractions, allreduce = [], []
         report = StepReport(batch=cycle.split[self.rank] if cycle.split else 0,
                             timed_batch=cycle.passes[0] if several else None,
-                            sqnorm=local_sqnorm, fwd_s=start, bwd_s=bwd, step_s=step_s,
+                            sqnorm=local_sqnorm, pass_sqnorms=pass_sqnorms,
+                            fwd_s=start, bwd_s=bwd, step_s=step_s,
                             ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce))
         return report
 
@@ -614,9 +622,9 @@ class HeteroDataParallel(nn.Module):
         step_s = self.clock.elapsed(cycle.prev_mark, end)
         report = global_sqnorm = None
         if cycle.measuring:
-            local_sqnorm, measured_sqnorm = self.comm.sqnorms() if cycle.norms else (
-                math.nan, None)
-            report = self._measure(step_s, local_sqnorm)
+            local_sqnorm, measured_sqnorm, pass_sqnorms = (
+                self.comm.sqnorms() if cycle.norms else (math.nan, None, ()))
+            report = self._measure(step_s, local_sqnorm, pass_sqnorms)
             if cycle.norms:
                 global_sqnorm = self._global_sqnorm(measured_sqnorm)
         reports = self._exchange()
@@ -690,6 +698,7 @@ class HeteroDataParallel(nn.Module):
         self.comm.weight = 1.0 / self.world_size
         self.comm.sqnorm_scale = 1.0
         self.comm.capture_sqnorm = False
+        self.comm.unwatch_passes()
         self.comm.rows = None
 
     def abandon_step(self) -> bool:

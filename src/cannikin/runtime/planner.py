@@ -47,7 +47,13 @@ logger = logging.getLogger(__name__)
 SPLITS = ("optimal", "even", "adaptdl")
 MAX_BUCKETS = 16
 """Buckets kept per step report; more are merged (adjacent, in ready order)."""
-_PREVIOUS = 7 + 2 * MAX_BUCKETS  # batch, timed, sqnorm, fwd_s, bwd_s, step_s, buckets, rho, c
+MAX_PASSES = 16
+"""Most micro-batches per step and worker (:attr:`PlannerConfig.max_micro_batches`): each
+one's |g|^2 rides in the step report."""
+_PREVIOUS = 8 + 2 * MAX_BUCKETS + MAX_PASSES
+"""batch, timed, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c.., passes, sqnorm.."""
+_BEFORE_PASSES = _PREVIOUS - 1 - MAX_PASSES
+"""The length of a report saved before the passes' norms (a rank checkpoint)."""
 REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
 _STATE_VERSION = 1
 
@@ -69,6 +75,9 @@ class StepReport:
     timed_batch: int | None = None
     """Samples of the pass ``fwd_s`` and ``bwd_s`` time: the first micro-batch's where the
     step accumulates, None for ``batch`` (one pass)."""
+    pass_sqnorms: tuple[float, ...] = ()
+    """|g|^2 of each micro-batch's own mean gradient where the step took several and
+    measured norms (the noise scale's gradient groups); () otherwise."""
     step_s: float
     """Measured period of the whole step on this rank."""
     ready_fractions: tuple[float, ...] = ()
@@ -79,8 +88,12 @@ class StepReport:
     def to_vector(self) -> list[float]:
         ready, comm = merge_buckets(self.ready_fractions, self.allreduce_s, MAX_BUCKETS)
         pad = [0.0] * (MAX_BUCKETS - len(ready))
+        if len(self.pass_sqnorms) > MAX_PASSES:
+            raise ValueError(f"{len(self.pass_sqnorms)} passes' norms; at most {MAX_PASSES}")
+        passes = [0.0] * (MAX_PASSES - len(self.pass_sqnorms))
         return [float(self.batch), float(self.timed), self.sqnorm, self.fwd_s, self.bwd_s,
-                self.step_s, float(len(ready)), *ready, *pad, *comm, *pad]
+                self.step_s, float(len(ready)), *ready, *pad, *comm, *pad,
+                float(len(self.pass_sqnorms)), *self.pass_sqnorms, *passes]
 
     @property
     def timed(self) -> int:
@@ -89,8 +102,10 @@ class StepReport:
 
     @staticmethod
     def from_vector(values: Sequence[float]) -> StepReport:
-        if len(values) == _PREVIOUS - 1:  # saved before timed_batch (a rank checkpoint)
+        if len(values) == _BEFORE_PASSES - 1:  # saved before timed_batch
             values = [values[0], values[0], *values[1:]]
+        if len(values) == _BEFORE_PASSES:  # saved before the passes' norms
+            values = [*values, *[0.0] * (1 + MAX_PASSES)]
         if len(values) != _PREVIOUS:
             raise ValueError(f"a step report has {_PREVIOUS} values, got {len(values)}")
         m = int(values[6])
@@ -100,7 +115,10 @@ class StepReport:
                           bwd_s=float(values[4]), step_s=float(values[5]),
                           ready_fractions=tuple(float(v) for v in values[7:7 + m]),
                           allreduce_s=tuple(float(v) for v in
-                                            values[7 + MAX_BUCKETS:7 + MAX_BUCKETS + m]))
+                                            values[7 + MAX_BUCKETS:7 + MAX_BUCKETS + m]),
+                          pass_sqnorms=tuple(float(v) for v in values[
+                              _BEFORE_PASSES + 1:_BEFORE_PASSES + 1
+                              + int(values[_BEFORE_PASSES])]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -358,10 +376,12 @@ class PlannerConfig:
         if not (0 <= self.plan_hold < 1 and 0 < self.oom_cap_factor < 1):
             raise ValueError(f"plan_hold ({self.plan_hold}) and oom_cap_factor "
                              f"({self.oom_cap_factor}) must be in [0, 1) and (0, 1)")
-        for name in ("measure_stride", "drift_steps", "drift_noise_history",
-                     "max_micro_batches"):
+        for name in ("measure_stride", "drift_steps", "drift_noise_history"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.max_micro_batches <= MAX_PASSES:
+            raise ValueError(f"max_micro_batches must be in [1, {MAX_PASSES}], got "
+                             f"{self.max_micro_batches}")
         if not (self.drift_change > 0 and self.drift_sigmas >= 0):
             raise ValueError(f"drift_change ({self.drift_change}) must be > 0 and "
                              f"drift_sigmas ({self.drift_sigmas}) >= 0")
@@ -452,9 +472,10 @@ class Planner:
         self.comm_fitter = CommFitter()
         self.tracker = PredictionTracker()
         self.noise = NoiseScaleTracker(smoothing=cfg.gns_smoothing, init_batch=cfg.init_batch)
-        if cfg.max_batch is not None and cfg.world_size < 2:
+        if cfg.max_batch is not None and cfg.world_size < 2 and cfg.micro_cap(0) is None:
             logger.warning("one worker: the total batch stays %d, since the noise scale needs "
-                           "two gradient groups (two workers) to be estimated",
+                           "two gradient groups (two workers, or one in several passes: "
+                           "max_micro_batches with a max_local_batch) to be estimated",
                            cfg.init_batch)
         self.current = self._record(0, "start", self._even(cfg.init_batch), None)
         self._interval = cfg.replan_every
@@ -529,17 +550,38 @@ class Planner:
                           or reason.startswith("probe"))
         if all(p is not None for p in previous):
             done = [p for p in previous if p is not None]
-            active = [p for p in done if p.batch > 0]
-            sane = all(math.isfinite(p.sqnorm) and p.sqnorm >= 0 for p in active)
-            if len(active) >= 2 and previous_global_sqnorm is not None and sane:
-                self.noise.update([p.sqnorm for p in active], [p.batch for p in active],
-                                  previous_global_sqnorm)
+            sqnorms, batches = self._gradient_groups(done)
+            sane = all(math.isfinite(v) and v >= 0 for v in sqnorms)
+            if len(batches) >= 2 and previous_global_sqnorm is not None and sane:
+                self.noise.update(sqnorms, batches, previous_global_sqnorm)
             if step - 1 >= self.config.skip_steps:
                 self._observe_timing(done)
         if self._window_ends:  # the last step of the previous plan is in: close its window
             self.tracker.end_window()
             self._window_ends = False
         self._pending = self.predicted([r.batch for r in reports])
+
+    def _gradient_groups(self, reports: Sequence[StepReport]) -> tuple[list[float], list[int]]:
+        """The noise scale's independent gradient estimates of a step and their batches:
+        each micro-batch where a worker took several and sent their norms, else the worker.
+        More groups, less variance (``tests/test_gns.py``), and one worker in passes has
+        groups of its own."""
+        sqnorms: list[float] = []
+        batches: list[int] = []
+        for rank, report in enumerate(reports):
+            if report.batch <= 0:
+                continue
+            if report.pass_sqnorms:
+                sizes = self.passes(rank, report.batch)
+                if len(sizes) != len(report.pass_sqnorms):
+                    raise ValueError(f"worker {rank} sent {len(report.pass_sqnorms)} passes' "
+                                     f"norms for the {len(sizes)} passes of {report.batch}")
+                sqnorms += report.pass_sqnorms
+                batches += sizes
+            else:
+                sqnorms.append(report.sqnorm)
+                batches.append(report.batch)
+        return sqnorms, batches
 
     def _observe_timing(self, timings: Sequence[StepReport]) -> None:
         measured = _median([t.step_s for t in timings])
@@ -621,7 +663,7 @@ class Planner:
                 # a fixed cost, and the even split's goodput would never favour a larger B
                 total = min(2 * total, cfg.max_batch)
                 reason = f"explore total batch {total}"
-            elif cfg.max_batch is not None and cfg.world_size >= 2 and (
+            elif cfg.max_batch is not None and (
                     cautious := self.noise.cautious_noise_scale(cfg.gns_sigmas)) is not None:
                 choose = choose_even_batch_size if cfg.split == "adaptdl" else choose_batch_size
                 choice = choose(cluster, cautious, cfg.init_batch, cfg.max_batch, current=total)
