@@ -72,28 +72,44 @@ class Replanning(OnePass):
             self.plans += 1
 
 
-def run_epochs(dataset: Dataset[Any], epochs: int, **kwargs: Any) -> list[list[Any]]:
+class ReplanningInPasses(Replanning):
+    """:class:`Replanning` whose workers run their shares in passes of at most 3."""
+
+    @property
+    def accumulates(self) -> bool:
+        return True
+
+    def micro_sizes(self, batch: int) -> tuple[int, ...]:
+        count = max(1, -(-batch // 3))
+        return tuple(batch // count + (j < batch % count) for j in range(count))
+
+
+def run_epochs(dataset: Dataset[Any], epochs: int, passes: bool = False,
+               **kwargs: Any) -> list[list[Any]]:
     """Every rank's batches of ``epochs`` epochs, with a re-plan between steps."""
     world, per_rank = 2, []
     for rank in range(world):
         loader = HeteroDataLoader(dataset, batch_size=14, seed=3, rank=rank, world_size=world,
                                   **kwargs)
-        controller = Replanning(14, world)
+        controller = (ReplanningInPasses if passes else Replanning)(14, world)
         loader.attach(controller, rank, world)
         batches = []
         for _ in range(epochs):
-            for step, batch in enumerate(loader):
-                batches.append(batch)
+            steps = loader.steps() if passes else ([batch] for batch in loader)
+            for step, micro in enumerate(steps):
+                batches += list(micro)
                 controller.replan(step)
         loader.close()
         per_rank.append(batches)
     return per_rank
 
 
-def test_worker_processes_load_the_same_batches_as_this_process() -> None:
+@pytest.mark.parametrize("passes", [False, True])
+def test_worker_processes_load_the_same_batches_as_this_process(passes: bool) -> None:
+    # in passes, each micro-batch is prefetched while the one before it trains
     for dataset, kwargs in ((Records(), {}), (Records(seq=True), {"collate_fn": padded})):
-        here = run_epochs(dataset, 2, **kwargs)
-        workers = run_epochs(dataset, 2, num_workers=3, **kwargs)
+        here = run_epochs(dataset, 2, passes, **kwargs)
+        workers = run_epochs(dataset, 2, passes, num_workers=3, **kwargs)
         for rank_here, rank_workers in zip(here, workers, strict=True):
             assert len(rank_here) == len(rank_workers)
             for mine, theirs in zip(rank_here, rank_workers, strict=True):
