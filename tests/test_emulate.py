@@ -112,3 +112,23 @@ def test_slowdown_from_env(value: str | None, rank: int, factor: float) -> None:
 def test_slowdown_from_env_errors(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         slowdown_from_env(2, {"CANNIKIN_SLOWDOWN": value})
+
+
+class StepTaker(nn.Module):
+    """Forward takes the batch as a list and a step index, as Lightning's training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        return self.net(batch[0]).square().mean()
+
+
+def test_the_batch_is_found_inside_a_list_argument() -> None:
+    model = StepTaker()
+    handle = install_slowdown(model, 1.0, fixed_s=0.0, per_sample_s=1e-4)
+    model([torch.randn(24, 16), torch.zeros(24)], 3)
+    assert handle.batch == 24
+    model(batch=[torch.randn(5, 16)], index=0)
+    assert handle.batch == 5

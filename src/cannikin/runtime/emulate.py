@@ -85,8 +85,11 @@ class SlowdownHandle:
 
 
 def _batch_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
+    """The first dimension of the first tensor with one among the arguments, looked for
+    inside lists, tuples and mappings too (Lightning's ``training_step(batch, batch_idx)``
+    gets the batch as a list)."""
+    for value in _tensors([*args, *kwargs.values()]):
+        if value.dim() > 0:
             return int(value.shape[0])
     return 0
 
@@ -96,9 +99,10 @@ def install_slowdown(module: nn.Module, factor: float, *, fixed_s: float, per_sa
     """Make ``module`` take ``factor * (fixed_s + per_sample_s * batch)`` per forward pass.
 
     Backward takes ``backward_scale`` times the forward target. The batch is the first
-    dimension of the first tensor argument of ``module``'s forward. Install on the bare model
-    (before wrapping it in DDP, or on ``ddp.module``); ``factor`` 1 with the same ``fixed_s``
-    and ``per_sample_s`` is the reference device, so set them above the real compute time.
+    dimension of the first tensor among the arguments of ``module``'s forward. Install on
+    the bare model (before wrapping it in DDP, or on ``ddp.module``); ``factor`` 1 with the
+    same ``fixed_s`` and ``per_sample_s`` is the reference device, so set them above the
+    real compute time.
     """
     for name, value in (("factor", factor), ("backward_scale", backward_scale)):
         if not value > 0:

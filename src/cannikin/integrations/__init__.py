@@ -1,0 +1,1 @@
+"""Cannikin inside training frameworks (optional extras: each module imports its framework)."""

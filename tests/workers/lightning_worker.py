@@ -1,0 +1,170 @@
+"""torchrun worker for tests/test_lightning.py: a LightningModule trained through
+``Trainer(strategy=CannikinStrategy(...))``, its gradient checked against one process.
+
+Usage: ``torchrun --standalone --nproc-per-node=2 lightning_worker.py OUT_JSON FOLDER``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from cannikin.integrations.lightning import CannikinStrategy
+
+warnings.filterwarnings("ignore")  # Lightning's advice on workers and loggers
+
+
+def blobs(n: int = 240) -> TensorDataset:
+    gen = torch.Generator().manual_seed(7)
+    centers = torch.randn(4, 16, generator=gen) * 2.0
+    y = torch.randint(0, 4, (n,), generator=gen)
+    return TensorDataset(centers[y] + torch.randn(n, 16, generator=gen), y, torch.arange(n))
+
+
+class Classifier(pl.LightningModule):
+    """Records each step's sample indices and all-reduced gradient (lr 0: fixed weights)."""
+
+    def __init__(self, lr: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.lr = lr
+        self.seen: list[list[int]] = []
+        self.grads: list[list[torch.Tensor]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        self.seen.append(idx.tolist())
+        return F.cross_entropy(self.net(x), y)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.grads.append([p.grad.detach().clone() for p in self.net.parameters()])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class Manual(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class TwoOptimizers(Classifier):
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.net[0].parameters(), lr=0.0),
+                torch.optim.SGD(self.net[2].parameters(), lr=0.0)]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.rows.append(metrics)
+
+
+def trainer(strategy: CannikinStrategy, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, **kwargs)
+
+
+def gradient_check() -> dict[str, Any]:
+    data = blobs()
+    module = Classifier()
+    reference = copy.deepcopy(module.net)
+    sink = Recorder()
+    strategy = CannikinStrategy(split="even", max_local_batch=[5, None], metrics=sink)
+    trainer(strategy, max_steps=6).fit(module, DataLoader(data, batch_size=16, shuffle=True))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, module.seen)
+    worst = 0.0
+    for step, grads in enumerate(module.grads):
+        union = torch.tensor(sorted(i for rank in everyone for i in rank[step]))
+        reference.zero_grad()
+        F.cross_entropy(reference(data.tensors[0][union]), data.tensors[1][union]).backward()
+        scale = max(float(q.grad.abs().max()) for q in reference.parameters())
+        worst = max(worst, max(float((g - q.grad).abs().max())
+                               for g, q in zip(grads, reference.parameters(), strict=True))
+                    / scale)
+    samples = [i for rank in everyone for step in rank for i in step]
+    return {"rel_err": worst, "steps": len(module.grads),
+            "splits": [row["local_batches"] for row in sink.rows],
+            "timings": [[r["step_time_s"], r["fwd_s"], r["bwd_s"]] for r in sink.rows
+                        if r["measured"]],
+            "samples": len(samples), "distinct": len(set(samples))}
+
+
+def optimal_split() -> dict[str, Any]:
+    """Emulated speeds 1/3 and 1: the fast worker gets the larger share."""
+    os.environ["CANNIKIN_SLOWDOWN"] = "3,1"
+    sink = Recorder()
+    strategy = CannikinStrategy(metrics=sink)
+    try:
+        trainer(strategy, max_steps=16).fit(
+            Classifier(lr=0.05), DataLoader(blobs(), batch_size=24, shuffle=True))
+    finally:
+        del os.environ["CANNIKIN_SLOWDOWN"]
+    assert strategy._wrapped is not None
+    return {"splits": [row["local_batches"] for row in sink.rows],
+            "plans": [(r.step, r.reason, r.local_batches) for r in strategy._wrapped.plan_history]}
+
+
+def resume(folder: Path) -> dict[str, Any]:
+    """Five steps, a checkpoint (loaded back with ``weights_only``), then a resumed fit to
+    step 7: Cannikin's state comes back with it. (Lightning counts a fit stopped by
+    ``max_steps`` as a finished epoch: the resumed one starts the next.)"""
+    data = DataLoader(blobs(), batch_size=16, shuffle=True)
+    run = trainer(CannikinStrategy(), max_steps=5)
+    run.fit(Classifier(lr=0.05), data)
+    path = folder / "five.ckpt"
+    run.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)["cannikin"]
+    strategy = CannikinStrategy()
+    second = Classifier(lr=0.05)
+    trainer(strategy, max_steps=7).fit(second, data, ckpt_path=path)
+    assert strategy._wrapped is not None
+    return {"saved_step": saved["runtime"]["step"], "saved_position": saved["loader"]["position"],
+            "steps_after": len(second.seen), "step_at_end": strategy._wrapped.step,
+            "epoch_at_end": strategy._wrapped.loader.epoch}
+
+
+def refusals() -> dict[str, str]:
+    loader = DataLoader(blobs(), batch_size=16)
+    cases = {"manual": (Manual(), {}), "two_optimizers": (TwoOptimizers(), {}),
+             "accumulate": (Classifier(), {"accumulate_grad_batches": 2})}
+    said = {}
+    for name, (module, kwargs) in cases.items():
+        try:
+            trainer(CannikinStrategy(), max_steps=2, **kwargs).fit(module, loader)
+            said[name] = "not refused"
+        except RuntimeError as error:
+            said[name] = str(error)
+    return said
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out = Path(sys.argv[1])
+    folder = Path(sys.argv[2])
+    results = {"gradient": gradient_check(), "optimal": optimal_split(),
+               "resume": resume(folder), "refused": refusals()}
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
