@@ -29,6 +29,9 @@ def test_the_gradient_is_the_mean_over_the_uneven_split(figures: dict[str, Any])
     assert got["splits"] == [[5, 27]] * 6  # rank 0 capped at 5 of 32
     assert got["rel_err"] < 1e-5 and got["steps"] == 6
     assert got["samples"] == got["distinct"] == 6 * 32
+    # self.log(loss, on_step=True, sync_dist=True): the step's mean loss, not the ranks'
+    # unweighted average of their means
+    assert got["logged_loss_err"] < 1e-5
 
 
 def test_steps_are_measured_after_the_closure(figures: dict[str, Any]) -> None:

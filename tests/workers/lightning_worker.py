@@ -43,11 +43,17 @@ class Classifier(pl.LightningModule):
         self.lr = lr
         self.seen: list[list[int]] = []
         self.grads: list[list[torch.Tensor]] = []
+        self.logged: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, idx = batch
         self.seen.append(idx.tolist())
-        return F.cross_entropy(self.net(x), y)
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("loss", loss, on_step=True, sync_dist=True)
+        return loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.logged.append(float(self.trainer.callback_metrics["loss"]))
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.grads.append([p.grad.detach().clone() for p in self.net.parameters()])
@@ -91,17 +97,19 @@ def gradient_check() -> dict[str, Any]:
     trainer(strategy, max_steps=6).fit(module, DataLoader(data, batch_size=16, shuffle=True))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, module.seen)
-    worst = 0.0
+    worst = loss_err = 0.0
     for step, grads in enumerate(module.grads):
         union = torch.tensor(sorted(i for rank in everyone for i in rank[step]))
         reference.zero_grad()
-        F.cross_entropy(reference(data.tensors[0][union]), data.tensors[1][union]).backward()
+        loss = F.cross_entropy(reference(data.tensors[0][union]), data.tensors[1][union])
+        loss.backward()
+        loss_err = max(loss_err, abs(module.logged[step] - float(loss)) / float(loss))
         scale = max(float(q.grad.abs().max()) for q in reference.parameters())
         worst = max(worst, max(float((g - q.grad).abs().max())
                                for g, q in zip(grads, reference.parameters(), strict=True))
                     / scale)
     samples = [i for rank in everyone for step in rank for i in step]
-    return {"rel_err": worst, "steps": len(module.grads),
+    return {"rel_err": worst, "steps": len(module.grads), "logged_loss_err": loss_err,
             "splits": [row["local_batches"] for row in sink.rows],
             "timings": [[r["step_time_s"], r["fwd_s"], r["bwd_s"]] for r in sink.rows
                         if r["measured"]],

@@ -14,8 +14,10 @@ Refused at ``fit()``, by name: manual optimization (and so several optimizers, w
 Lightning allows only there) and ``accumulate_grad_batches`` > 1 (Lightning would sum
 gradients over steps that each carry their own ``b_i / B``; every rank would also run the
 same number of them, where Cannikin gives each worker its own number of passes).
-``self.log(..., sync_dist=True)`` on a step averages the ranks' values unweighted, as with
-DDP; an ``on_epoch`` value is weighted by batch size.
+``self.log(..., sync_dist=True)`` during a training step averages the ranks' local means
+weighted by their shares ``b_i / B`` (:meth:`CannikinStrategy.reduce`), so a logged loss is
+the step's mean loss (DDP's unweighted average of the ranks' means is not, at an uneven
+split); an ``on_epoch`` value is weighted by batch size, as Lightning does.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
@@ -108,6 +112,19 @@ class CannikinStrategy(DDPStrategy):
         hands back the result: the pre-hook that measures the step runs after the backward."""
         result = closure()
         return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    def reduce(self, tensor: Tensor, group: Any | None = None,
+               reduce_op: Any | None = "mean") -> Tensor:
+        """DDP's reduce, except a mean over the world during a training step: the ranks'
+        values weighted by their shares ``b_i / B`` (a rank with no samples counts 0, its
+        mean of nothing being NaN)."""
+        share = self._wrapped.step_share if self._wrapped is not None else None
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if share is None or not mean or group is not None or not isinstance(tensor, Tensor):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        weighted = tensor * share if share > 0 else torch.zeros_like(tensor)
+        dist.all_reduce(weighted)
+        return weighted
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,

@@ -411,6 +411,17 @@ class HeteroDataParallel(nn.Module):
     def total_batch(self) -> int:
         return self.planner.total_batch
 
+    @property
+    def step_share(self) -> float | None:
+        """This rank's share b_i / B of the step in progress (handed out by the loader,
+        its optimizer step not taken yet), None outside one: the weight of its local mean
+        in the step's mean (a logged loss, say)."""
+        cycle = self._cycle
+        if not cycle.stepping or cycle.split is None:
+            return None
+        total = sum(cycle.split)
+        return cycle.split[self.rank] / total if total else 0.0
+
     def split_for(self, total: int) -> tuple[int, ...]:
         return self.planner.split_for(total)
 
