@@ -11,7 +11,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[torch,demo,dev,lightning]'
+	$(PY) -m pip install --quiet -e '.[torch,demo,dev,lightning,accelerate]'
 	touch $(STAMP)
 
 demo: install

@@ -1,0 +1,143 @@
+"""Hugging Face Accelerate: ``CannikinAccelerator`` in place of ``Accelerator``, and the
+training data as a :class:`~cannikin.runtime.HeteroDataLoader`::
+
+    accelerator = CannikinAccelerator(cpu=True)              # was: Accelerator(cpu=True)
+    loader = HeteroDataLoader(dataset, batch_size=64)        # was: DataLoader(dataset, 32)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+``prepare`` wraps the model in :class:`~cannikin.runtime.HeteroDataParallel` instead of
+DistributedDataParallel and attaches it to the optimizer and the loader prepared with it
+(Accelerate leaves a HeteroDataLoader as it is: it is not a DataLoader to shard). The loop is
+Accelerate's: ``accelerator.backward(loss)``, ``optimizer.step()`` (the wrapped optimizer
+steps the inner one after the backward, where Cannikin measures the step). Evaluation
+DataLoaders are sharded by Accelerate as usual. ``unwrap_model`` gives the user's module;
+``save_state``/``load_state`` keep Cannikin's state beside Accelerate's, as JSON (plain
+numbers: loading it runs no code). Refused by name: ``gradient_accumulation_steps`` > 1
+(use ``max_micro_batches`` and ``loader.steps()``), mixed precision through Accelerate,
+and distributed types other than plain data parallelism (DeepSpeed, FSDP, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from torch import nn
+
+from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+from cannikin.runtime.parallel import MetricsSink
+
+STATE_FILE = "cannikin_state.json"
+_DATA_PARALLEL = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+class CannikinAccelerator(Accelerator):
+    """Accelerate's Accelerator, preparing models as HeteroDataParallel.
+
+    ``split``, ``lr_scaling``, ``replan_every``, ``max_local_batch``,
+    ``max_micro_batches`` and ``metrics`` go to :class:`HeteroDataParallel`; the rest to
+    :class:`accelerate.Accelerator`.
+    """
+
+    def __init__(self, *args: Any, split: str = "optimal", lr_scaling: str = "auto",
+                 replan_every: int = 5,
+                 max_local_batch: int | Sequence[int | None] | None = None,
+                 max_micro_batches: int = 1, metrics: MetricsSink | None = None,
+                 **kwargs: Any) -> None:
+        steps = kwargs.get("gradient_accumulation_steps", 1)
+        if steps != 1:
+            raise ValueError(
+                f"gradient_accumulation_steps={steps}: each of Cannikin's steps weighs its "
+                f"local batches by their own b_i / B, which accumulating over steps would mix "
+                f"up. Raise the loader's batch_size, with max_local_batch= and "
+                f"max_micro_batches= where a worker's share must run in several passes")
+        super().__init__(*args, **kwargs)
+        if self.mixed_precision != "no":
+            raise ValueError(f"mixed_precision={self.mixed_precision!r} through Accelerate is "
+                             f"not supported by CannikinAccelerator: use torch.autocast and "
+                             f"torch.amp.GradScaler in the loop, as with HeteroDataParallel")
+        if self.distributed_type not in _DATA_PARALLEL:
+            raise ValueError(f"CannikinAccelerator runs plain data parallelism, not "
+                             f"{self.distributed_type}")
+        self._hdp_options: dict[str, Any] = {
+            "split": split, "lr_scaling": lr_scaling, "replan_every": replan_every,
+            "max_local_batch": max_local_batch, "max_micro_batches": max_micro_batches,
+            "metrics": metrics}
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """The model on this process's device, wrapped in HeteroDataParallel (for
+        evaluation only: as Accelerate prepares it)."""
+        if evaluation_mode or isinstance(model, HeteroDataParallel):
+            plain: nn.Module = super().prepare_model(model, device_placement, evaluation_mode)
+            return plain
+        if device_placement is None:
+            device_placement = self.device_placement
+        if device_placement:
+            model = model.to(self.device)
+        wrapped = HeteroDataParallel(model, **self._hdp_options)
+        self._models.append(wrapped)
+        return wrapped
+
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """Accelerate's prepare, then every HeteroDataParallel prepared here attached to the
+        one optimizer and the one HeteroDataLoader passed with it."""
+        prepared = super().prepare(*args, device_placement=device_placement)
+        items = prepared if isinstance(prepared, tuple) else (prepared,)
+        models = [m for m in items if isinstance(m, HeteroDataParallel) and m._parts is None]
+        if not models:
+            return prepared
+        optimizers = [o for o in items if isinstance(o, torch.optim.Optimizer)]
+        loaders = [d for d in items if isinstance(d, HeteroDataLoader)]
+        if len(models) != 1 or len(optimizers) != 1 or len(loaders) != 1:
+            raise ValueError(
+                f"prepare the model with its optimizer and its training data as a "
+                f"HeteroDataLoader, one each, in one call: got {len(models)} model(s), "
+                f"{len(optimizers)} optimizer(s) and {len(loaders)} HeteroDataLoader(s)")
+        optimizer = getattr(optimizers[0], "optimizer", optimizers[0])
+        models[0].attach(optimizer, loaders[0])
+        return prepared
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
+        if isinstance(model, HeteroDataParallel):
+            return model.module
+        result: nn.Module = super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        return result
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """Accelerate's state, then Cannikin's (fitted models, noise scale, total batch,
+        step, the loader's position) as JSON in the same folder."""
+        location = str(super().save_state(output_dir, safe_serialization,
+                                          **save_model_func_kwargs))
+        if self.is_main_process:
+            states = [{"runtime": m.runtime_state_dict(), "loader": m.loader.state_dict()}
+                      for m in self._attached()]
+            (Path(location) / STATE_FILE).write_text(json.dumps(states), "utf-8")
+        self.wait_for_everyone()  # every rank may load it from here on
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        if input_dir is None:
+            raise ValueError("CannikinAccelerator.load_state needs the folder save_state "
+                             "returned (input_dir=...)")
+        super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        path = Path(input_dir) / STATE_FILE
+        states = json.loads(path.read_text("utf-8"))
+        models = self._attached()
+        if len(states) != len(models):
+            raise ValueError(f"{path} holds {len(states)} Cannikin states for "
+                             f"{len(models)} prepared models")
+        for model, state in zip(models, states, strict=True):
+            model.load_runtime_state_dict(state["runtime"])
+            model.loader.load_state_dict(state["loader"])
+
+    def _attached(self) -> list[HeteroDataParallel]:
+        return [m for m in self._models if isinstance(m, HeteroDataParallel) and m._parts]

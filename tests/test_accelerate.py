@@ -1,0 +1,42 @@
+"""An Accelerate loop with ``CannikinAccelerator``: one torchrun launch (2 gloo workers)
+runs tests/workers/accelerate_worker.py; each test asserts on what it reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_utils import WORKERS, run_torchrun
+
+pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
+
+
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("accelerate")
+    out = folder / "figures.json"
+    run_torchrun(WORKERS / "accelerate_worker.py", nproc=2, script_args=[str(out), str(folder)],
+                 timeout_s=180.0, env={"CANNIKIN_SLOWDOWN": ""}).check()
+    result: dict[str, Any] = json.loads(Path(out).read_text())
+    return result
+
+
+def test_prepare_gives_heterodataparallel_and_the_exact_mean_gradient(
+        figures: dict[str, Any]) -> None:
+    assert figures["is_hdp"] and figures["unwrapped_is_net"]
+    assert figures["splits"] == [[5, 27]] * 6  # rank 0 capped at 5 of 32
+    assert figures["rel_err"] < 1e-5
+
+
+def test_save_and_load_state_bring_cannikins_state_back(figures: dict[str, Any]) -> None:
+    assert figures["saved_step"] == 6 and figures["step_before_load"] == 8
+    assert figures["step_after_load"] == 6
+
+
+def test_what_it_cannot_do_is_refused_by_name(figures: dict[str, Any]) -> None:
+    refused = figures["refused"]
+    assert "gradient_accumulation_steps=2" in refused["accumulation"]
+    assert "0 HeteroDataLoader(s)" in refused["no_loader"]

@@ -1,0 +1,95 @@
+"""torchrun worker for tests/test_accelerate.py: an Accelerate loop with
+CannikinAccelerator, its gradient checked against one process.
+
+Usage: ``torchrun --standalone --nproc-per-node=2 accelerate_worker.py OUT_JSON FOLDER``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from cannikin.integrations.accelerate import STATE_FILE, CannikinAccelerator
+from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+
+
+def blobs(n: int = 320) -> TensorDataset:
+    gen = torch.Generator().manual_seed(7)
+    centers = torch.randn(4, 16, generator=gen) * 2.0
+    y = torch.randint(0, 4, (n,), generator=gen)
+    return TensorDataset(centers[y] + torch.randn(n, 16, generator=gen), y, torch.arange(n))
+
+
+def classifier() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    out, folder = Path(sys.argv[1]), Path(sys.argv[2])
+    accelerator = CannikinAccelerator(cpu=True, split="even", max_local_batch=[5, None])
+    data = blobs()
+    net = classifier()
+    reference = copy.deepcopy(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    loader = HeteroDataLoader(data, batch_size=32, seed=3)
+    model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+    worst, splits = 0.0, []
+    for step, (x, y, idx) in enumerate(loader):
+        optimizer.zero_grad()
+        with accelerator.accumulate(model):  # Accelerate's loop shape (one pass a step)
+            accelerator.backward(F.cross_entropy(model(x), y))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, idx.tolist())
+        union = torch.tensor(sorted(i for part in everyone for i in part))
+        reference.zero_grad()
+        F.cross_entropy(reference(data.tensors[0][union]), data.tensors[1][union]).backward()
+        scale = max(float(q.grad.abs().max()) for q in reference.parameters())
+        worst = max(worst, max(float((p.grad - q.grad).abs().max())
+                               for p, q in zip(net.parameters(), reference.parameters(),
+                                               strict=True)) / scale)
+        splits.append([len(part) for part in everyone])
+        optimizer.step()
+        if step == 5:
+            break
+    location = accelerator.save_state(str(folder / "state"))
+    saved = json.loads((Path(location) / STATE_FILE).read_text())
+    for step, (x, y, _) in enumerate(loader):  # two more steps, then back to the saved state
+        optimizer.zero_grad()
+        accelerator.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        if step == 1:
+            break
+    after = model.step
+    accelerator.load_state(location)
+    refused = {}
+    try:
+        CannikinAccelerator(cpu=True, gradient_accumulation_steps=2)
+    except ValueError as error:
+        refused["accumulation"] = str(error)
+    try:
+        other = classifier()
+        accelerator.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    except ValueError as error:
+        refused["no_loader"] = str(error)
+    results = {"rel_err": worst, "splits": splits, "wrapped": type(model).__name__,
+               "unwrapped_is_net": accelerator.unwrap_model(model) is net,
+               "saved_step": saved[0]["runtime"]["step"], "step_before_load": after,
+               "step_after_load": model.step, "refused": refused,
+               "is_hdp": isinstance(model, HeteroDataParallel)}
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
