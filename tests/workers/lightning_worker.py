@@ -117,18 +117,21 @@ def gradient_check() -> dict[str, Any]:
 
 
 def optimal_split() -> dict[str, Any]:
-    """Emulated speeds 1/3 and 1: the fast worker gets the larger share."""
+    """Emulated speeds 1/3 and 1: the fast worker gets the larger share; the total batch
+    may grow by goodput up to 96."""
     os.environ["CANNIKIN_SLOWDOWN"] = "3,1"
     sink = Recorder()
-    strategy = CannikinStrategy(metrics=sink)
+    strategy = CannikinStrategy(metrics=sink, max_batch_size=96)
     try:
         trainer(strategy, max_steps=16).fit(
             Classifier(lr=0.05), DataLoader(blobs(), batch_size=24, shuffle=True))
     finally:
         del os.environ["CANNIKIN_SLOWDOWN"]
     assert strategy._wrapped is not None
+    auto = strategy._wrapped.loader.autoscale
     return {"splits": [row["local_batches"] for row in sink.rows],
-            "plans": [(r.step, r.reason, r.local_batches) for r in strategy._wrapped.plan_history]}
+            "plans": [(r.step, r.reason, r.local_batches) for r in strategy._wrapped.plan_history],
+            "max_batch": None if auto is None else auto.max_batch_size}
 
 
 def resume(folder: Path) -> dict[str, Any]:
@@ -150,6 +153,17 @@ def resume(folder: Path) -> dict[str, Any]:
             "epoch_at_end": strategy._wrapped.loader.epoch}
 
 
+def mixed_precision() -> dict[str, Any]:
+    """``precision="bf16-mixed"`` (CPU autocast, Lightning's mixed-precision plugin)."""
+    sink = Recorder()
+    module = Classifier(lr=0.05)
+    trainer(CannikinStrategy(metrics=sink), max_steps=8, precision="bf16-mixed").fit(
+        module, DataLoader(blobs(), batch_size=16, shuffle=True))
+    return {"steps": len(sink.rows),
+            "bwd_s": [r["bwd_s"] for r in sink.rows if r["measured"]],
+            "finite": all(bool(torch.isfinite(p).all()) for p in module.parameters())}
+
+
 def refusals() -> dict[str, str]:
     loader = DataLoader(blobs(), batch_size=16)
     cases = {"manual": (Manual(), {}), "two_optimizers": (TwoOptimizers(), {}),
@@ -169,7 +183,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     folder = Path(sys.argv[2])
     results = {"gradient": gradient_check(), "optimal": optimal_split(),
-               "resume": resume(folder), "refused": refusals()}
+               "resume": resume(folder), "bf16": mixed_precision(), "refused": refusals()}
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
 

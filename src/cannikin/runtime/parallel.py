@@ -485,13 +485,12 @@ class HeteroDataParallel(nn.Module):
             return
         if index == 1:
             cycle.first_end = self.clock.mark()
-        if passes[index - 1] != passes[index]:
+        if passes[index - 1] != passes[index]:  # every gradient DDP all-reduces
             ratio = passes[index - 1] / passes[index]
             with torch.no_grad():
-                for group in self.optimizer.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(ratio)
+                for p in self.ddp.module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(ratio)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cycle = self._cycle
