@@ -111,7 +111,7 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
         _local_loss(ddp, xs, ys).backward()
         if exchange is not None:
             expected = exchange * (step + 1)
-            got = state.rows_reduced()
+            got = state.read_step(norms=False).rows
             assert got is not None, "the exchange rows were not sent"
             rows_err = max(rows_err, float((abs(got - expected) / abs(expected)).max()))
             paths.append("own collective" if state.rows_alone is not None else
@@ -119,7 +119,8 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
         if hooked and state.capture_sqnorm and split[rank] > 0:
             ref.zero_grad(set_to_none=False)
             F.cross_entropy(ref(xs), ys).backward()  # this rank's local mean gradient
-            sqnorm_err = max(sqnorm_err, _relative(state.sqnorms()[0], _sqnorm(ref)))
+            local_sq = state.read_step(norms=True).local_sqnorm
+            sqnorm_err = max(sqnorm_err, _relative(local_sq, _sqnorm(ref)))
         ref.zero_grad(set_to_none=False)
         if per_chunk_reference:  # BatchNorm statistics of each worker's own chunk
             bounds = [sum(split[:i]) for i in range(len(split) + 1)]
@@ -135,11 +136,13 @@ def _grad_check(make: Callable[[], nn.Module], *, per_chunk_reference: bool,
         scale = max(float(q.abs().max()) for _, q in pairs)
         worst = max(worst, max(float((p - q).abs().max()) for p, q in pairs) / scale)
         if hooked and state.capture_sqnorm:
-            measured = state.sqnorms()[1]
+            measured = state.read_step(norms=True).global_sqnorm
             assert measured is not None, "the hook did not take |g|^2"
             sqnorm_err = max(sqnorm_err, _relative(measured, _sqnorm(ref)))
         elif hooked:
-            assert state.sqnorms() == (0.0, None, ())
+            unmeasured = state.read_step(norms=True)
+            assert (unmeasured.local_sqnorm, unmeasured.global_sqnorm) == (0.0, None)
+            assert unmeasured.pass_sqnorms == ()
     figures = {"rel_err": worst, "sqnorm_err": sqnorm_err}
     if exchange is None:
         return figures
@@ -750,7 +753,8 @@ def _accumulated_run(split: str, batch_size: int, caps: list[int | None], passes
             mine += idx.tolist()
             sizes.append(len(idx))
         scale_now = 1.0 if scaler is None else float(scaler.get_scale())
-        local_sq, _, pass_sq = model.comm.sqnorms()
+        readout = model.comm.read_step(norms=True)
+        local_sq, pass_sq = readout.local_sqnorm, readout.pass_sqnorms
         local_sq /= scale_now ** 2
         if pass_sq:  # each micro-batch's own |g|^2, the noise scale's groups
             start = 0

@@ -36,6 +36,7 @@ the last bucket's hook completes on any other step (:func:`_complete_at_last_buc
 # No `from __future__ import annotations`: DDP checks the hook signature at run time.
 
 import contextlib
+import math
 import queue
 import threading
 import weakref
@@ -127,30 +128,42 @@ class CommState:
         self.rows_alone = None
         self.unfinished = []
 
-    def rows_reduced(self) -> np.ndarray | None:
-        """``rows`` summed over ranks (after the backward); None if they were not sent."""
-        if self.rows is None:
-            return None
-        if self.rows_alone is not None:
-            summed, work = self.rows_alone
+    def read_step(self, norms: bool) -> "StepReadout":
+        """What this step's collectives left on the device, read in one transfer: the
+        exchange ``rows`` summed over ranks (None if they were not sent) and, with
+        ``norms``, |g_i|^2 of the local gradient (0.0 if no bucket was seen), |g|^2 of the
+        all-reduced one (None if the hook did not measure it) and each watched
+        micro-batch's |g|^2. On a GPU that is the step's one host synchronisation, not one
+        per part (with Adam a part is a parameter) and another for the rows."""
+        groups: list[list[torch.Tensor]] = []
+        measured = False
+        if norms:
+            measured = self.capture_sqnorm and bool(self.global_parts)
+            groups = [self.local_parts, self.global_parts if measured else [],
+                      *self.pass_parts]
+        rows, encoded = None, False
+        if self.rows is not None and self.rows_alone is not None:
+            rows, work = self.rows_alone
             work.wait()
-            return summed.cpu().numpy().reshape(self.rows.shape)
-        if self.rows_tail is None:
-            return None
-        return decode_rows(self.rows_tail.cpu().numpy()).reshape(self.rows.shape)
-
-    def sqnorms(self) -> tuple[float, float | None, tuple[float, ...]]:
-        """|g_i|^2 of this step's local gradient (0.0 if no bucket was seen), |g|^2 of the
-        all-reduced one (None if the hook did not measure it) and each watched micro-
-        batch's |g|^2 (() if none), read in one transfer: on a GPU one host
-        synchronisation, not one per part (with Adam a part is a parameter)."""
-        measured = self.capture_sqnorm and bool(self.global_parts)
-        groups = [self.local_parts, self.global_parts if measured else [], *self.pass_parts]
-        device = next((part.device for group in groups for part in group), torch.device("cpu"))
-        local, global_, *passes = torch.stack([_total(group, device)
-                                               for group in groups]).tolist()
-        return (float(local) * self.sqnorm_scale ** 2, float(global_) if measured else None,
-                tuple(float(v) for v in passes))
+        elif self.rows is not None and self.rows_tail is not None:
+            rows, encoded = self.rows_tail, self.rows_tail.dtype == torch.float32
+        device = next((t.device for t in (rows, *(p for g in groups for p in g))
+                       if t is not None), torch.device("cpu"))
+        flat = [_total(group, device) for group in groups]
+        if rows is not None:
+            flat.append(rows.to(device=device, dtype=torch.float64))
+        host = torch.cat([t.reshape(-1) for t in flat]).cpu().numpy() if flat else np.zeros(0)
+        totals, tail = host[:len(groups)], host[len(groups):]
+        readout = StepReadout()
+        if rows is not None and self.rows is not None:
+            summed = decode_rows(tail.astype(np.float32)) if encoded else tail.copy()
+            readout.rows = summed.reshape(self.rows.shape)
+        if norms:
+            local, global_, *passes = totals.tolist()
+            readout.local_sqnorm = local * self.sqnorm_scale ** 2
+            readout.global_sqnorm = global_ if measured else None
+            readout.pass_sqnorms = tuple(passes)
+        return readout
 
     def watch_passes(self, params: list[torch.Tensor], count: int) -> None:
         """Take each of a step's ``count`` micro-batches' own |g|^2 (through ``transform``)
@@ -211,6 +224,16 @@ class CommState:
             parts.append(_sqnorm(self.transform(param, part).detach().reshape(-1)))
 
 
+@dataclass
+class StepReadout:
+    """:meth:`CommState.read_step`'s values, on the host."""
+
+    rows: np.ndarray | None = None
+    local_sqnorm: float = math.nan
+    global_sqnorm: float | None = None
+    pass_sqnorms: tuple[float, ...] = ()
+
+
 def encode_rows(rows: np.ndarray, dtype: torch.dtype) -> np.ndarray | None:
     """float64 ``rows`` as a flat array that a bucket of ``dtype`` can carry and whose sum
     over ranks decodes to their sum, or None when ``dtype`` cannot carry them. A sum of
@@ -262,11 +285,11 @@ def weighted_allreduce_hook(
     else:
         send = state.carrier_for(buffer, payload.size)
         _scaled(buffer, state.weight, out=send[:size])
-        send[size:].copy_(torch.from_numpy(payload))
+        send[size:].copy_(_from_host(payload, send.device), non_blocking=True)
     with _backward_context_unstashed():
         work = dist.all_reduce(send, group=state.group, async_op=True)
         if rows is not None and payload is None:
-            alone = torch.from_numpy(rows).to(buffer.device)
+            alone = _from_host(rows, buffer.device).to(buffer.device, non_blocking=True)
             state.rows_alone = (alone, dist.all_reduce(alone, group=state.group,
                                                        async_op=True))
     reduction = _Reduction(slot=slot, bucket=bucket, sent=send, size=size,
@@ -434,6 +457,14 @@ def _backward_context_unstashed() -> Iterator[None]:
         yield
     finally:
         torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)
+
+
+def _from_host(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` as a tensor to copy to ``device`` with ``non_blocking=True``: on a GPU in
+    pinned memory (torch's caching host allocator keeps the block until the copy is done),
+    since a copy from pageable memory makes the host wait for the stream, mid-backward."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory() if device.type == "cuda" else tensor
 
 
 def _total(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -597,8 +597,9 @@ class HeteroDataParallel(nn.Module):
         rows[self.rank] = report.to_vector()
         return rows
 
-    def _exchange(self) -> list[WorkerReport]:
-        rows = self.comm.rows_reduced()
+    def _exchange(self, rows: np.ndarray | None) -> list[WorkerReport]:
+        """Every rank's report of this step, from the ``rows`` that rode with a gradient
+        bucket (summed over ranks), or exchanged now if no bucket carried them."""
         if rows is None:  # no gradient bucket this step: on its own
             alone = torch.from_numpy(self._exchange_rows()).to(self.device)
             dist.all_reduce(alone)
@@ -629,15 +630,16 @@ class HeteroDataParallel(nn.Module):
                 f"micro-batch of `for x, y in step` before the optimizer step (the gradient "
                 f"is all-reduced after the last one only)")
         end = self.clock.mark()
+        # the step's one read from the device; on a GPU every mark is complete after it,
+        # so the timings below wait for nothing
+        readout = self.comm.read_step(cycle.measuring and cycle.norms)
         step_s = self.clock.elapsed(cycle.prev_mark, end)
         report = global_sqnorm = None
         if cycle.measuring:
-            local_sqnorm, measured_sqnorm, pass_sqnorms = (
-                self.comm.sqnorms() if cycle.norms else (math.nan, None, ()))
-            report = self._measure(step_s, local_sqnorm, pass_sqnorms)
+            report = self._measure(step_s, readout.local_sqnorm, readout.pass_sqnorms)
             if cycle.norms:
-                global_sqnorm = self._global_sqnorm(measured_sqnorm)
-        reports = self._exchange()
+                global_sqnorm = self._global_sqnorm(readout.global_sqnorm)
+        reports = self._exchange(readout.rows)
         self.collective_timeout.observe(reports)
         planned = tuple(r.batch for r in reports)
         if planned != cycle.split:
