@@ -31,6 +31,16 @@ def test_prepare_gives_heterodataparallel_and_the_exact_mean_gradient(
     assert figures["rel_err"] < 1e-5
 
 
+def test_what_assumes_even_batches_follows_the_uneven_split(figures: dict[str, Any]) -> None:
+    # gather_for_metrics: every rank's rows of the 5/27 step in rank order (Accelerate's own
+    # gather aborted in gloo); reduce(mean) of the local mean losses: the step's mean loss
+    assert figures["gathered_in_order"]
+    assert figures["loss_err"] < 1e-6
+    # a prepared scheduler steps once per optimizer step (Accelerate's default: once per
+    # process, which ended a schedule sized by len(loader) after half of it on 2 ranks)
+    assert figures["schedule_steps"] == 6
+
+
 def test_save_and_load_state_bring_cannikins_state_back(figures: dict[str, Any]) -> None:
     assert figures["saved_step"] == 6 and figures["step_before_load"] == 8
     assert figures["step_after_load"] == 6

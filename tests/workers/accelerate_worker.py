@@ -43,25 +43,37 @@ def main() -> None:
     reference = copy.deepcopy(net)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
     loader = HeteroDataLoader(data, batch_size=32, seed=3)
-    model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
-    worst, splits = 0.0, []
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model, optimizer, loader, schedule = accelerator.prepare(net, optimizer, loader, schedule)
+    worst, loss_err, splits, gathered_in_order = 0.0, 0.0, [], True
     for step, (x, y, idx) in enumerate(loader):
         optimizer.zero_grad()
         with accelerator.accumulate(model):  # Accelerate's loop shape (one pass a step)
-            accelerator.backward(F.cross_entropy(model(x), y))
+            loss = F.cross_entropy(model(x), y)
+            accelerator.backward(loss)
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, idx.tolist())
-        union = torch.tensor(sorted(i for part in everyone for i in part))
+        in_rank_order = [i for part in everyone for i in part]
+        # uneven local batches: Accelerate's own gather aborts the job here
+        gathered = accelerator.gather_for_metrics((idx, y))
+        gathered_in_order &= (gathered[0].tolist() == in_rank_order
+                              and gathered[1].tolist() == data.tensors[1][in_rank_order].tolist())
+        reduced = float(accelerator.reduce(loss.detach(), reduction="mean"))
+        union = torch.tensor(sorted(in_rank_order))
         reference.zero_grad()
-        F.cross_entropy(reference(data.tensors[0][union]), data.tensors[1][union]).backward()
+        reference_loss = F.cross_entropy(reference(data.tensors[0][union]), data.tensors[1][union])
+        reference_loss.backward()
+        loss_err = max(loss_err, abs(reduced - float(reference_loss)) / float(reference_loss))
         scale = max(float(q.grad.abs().max()) for q in reference.parameters())
         worst = max(worst, max(float((p.grad - q.grad).abs().max())
                                for p, q in zip(net.parameters(), reference.parameters(),
                                                strict=True)) / scale)
         splits.append([len(part) for part in everyone])
         optimizer.step()
+        schedule.step()
         if step == 5:
             break
+    schedule_steps = schedule.scheduler.last_epoch
     location = accelerator.save_state(str(folder / "state"))
     saved = json.loads((Path(location) / STATE_FILE).read_text())
     for step, (x, y, _) in enumerate(loader):  # two more steps, then back to the saved state
@@ -82,7 +94,8 @@ def main() -> None:
         accelerator.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
     except ValueError as error:
         refused["no_loader"] = str(error)
-    results = {"rel_err": worst, "splits": splits, "wrapped": type(model).__name__,
+    results = {"rel_err": worst, "splits": splits, "loss_err": loss_err,
+               "gathered_in_order": gathered_in_order, "schedule_steps": schedule_steps, "wrapped": type(model).__name__,
                "unwrapped_is_net": accelerator.unwrap_model(model) is net,
                "saved_step": saved[0]["runtime"]["step"], "step_before_load": after,
                "step_after_load": model.step, "refused": refused,

@@ -12,7 +12,17 @@ Accelerate's: ``accelerator.backward(loss)``, ``optimizer.step()`` (the wrapped 
 steps the inner one after the backward, where Cannikin measures the step). Evaluation
 DataLoaders are sharded by Accelerate as usual. ``unwrap_model`` gives the user's module;
 ``save_state``/``load_state`` keep Cannikin's state beside Accelerate's, as JSON (plain
-numbers: loading it runs no code). Refused by name: ``gradient_accumulation_steps`` > 1
+numbers: loading it runs no code). Where Accelerate assumes every rank holds the same
+number of samples, it is adapted: a prepared LR scheduler steps once per optimizer step
+(the loader's ``batch_size`` is the total, as with Accelerate's ``split_batches=True``;
+by default Accelerate steps it once per process, so that a schedule sized by the length
+of a per-rank DataLoader ends with the training: sized by ``len(loader)`` here, it ended
+after ``1/num_processes`` of it); ``gather`` and ``gather_for_metrics`` take tensors whose
+first dimension differs between ranks (the local batches), where Accelerate's would abort
+the job in the collective; ``reduce(x, "mean")`` during a training step (between the
+loader handing out the batch and ``optimizer.step()``) weighs each rank's value by its
+share ``b_i / B``, so a per-rank mean over the local batch reduces to the step's mean.
+Refused by name: ``gradient_accumulation_steps`` > 1
 (use ``max_micro_batches`` and ``loader.steps()``), mixed precision through Accelerate,
 and distributed types other than plain data parallelism (DeepSpeed, FSDP, ...).
 """
@@ -26,7 +36,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, recursively_apply
 from torch import nn
 
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
@@ -102,6 +112,51 @@ class CannikinAccelerator(Accelerator):
         optimizer = getattr(optimizers[0], "optimizer", optimizers[0])
         models[0].attach(optimizer, loaders[0])
         return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """Accelerate's scheduler wrapper, stepped once per optimizer step: a step here is
+        one of the loader's, of its whole ``batch_size`` (Accelerate's ``split_batches``
+        semantics), not one per-rank batch on each of ``num_processes`` ranks."""
+        prepared = super().prepare_scheduler(scheduler)
+        prepared.split_batches = True
+        return prepared
+
+    def gather(self, tensor: Any) -> Any:
+        """Accelerate's gather where the ranks' tensors may differ in their first dimension
+        (each rank's local batch): every rank's rows, in rank order. One more small
+        collective first, for the sizes."""
+        leaves: list[torch.Tensor] = []
+        recursively_apply(leaves.append, tensor)
+        if not leaves or self.num_processes == 1:
+            return super().gather(tensor)
+        local = torch.tensor([t.shape[0] if t.dim() else 1 for t in leaves], device=self.device)
+        sizes = super().gather(local).reshape(self.num_processes, len(leaves))
+        if bool((sizes == sizes[0]).all()):
+            return super().gather(tensor)
+        columns = iter(sizes.T.tolist())
+        plain_gather = super().gather
+
+        def gather_rows(t: torch.Tensor) -> torch.Tensor:
+            counts = next(columns)
+            if t.dim() == 0:
+                return plain_gather(t)  # type: ignore[no-any-return]
+            longest = max(counts)
+            padded = torch.cat([t, t.new_zeros((longest - t.shape[0], *t.shape[1:]))])
+            chunks = plain_gather(padded).split(longest)
+            return torch.cat([chunk[:n] for chunk, n in zip(chunks, counts, strict=True)])
+
+        return recursively_apply(gather_rows, tensor)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Accelerate's reduce; a ``"mean"`` during a training step weighs each rank's value
+        by its share ``b_i / B`` of the step (DDP's plain mean, with its equal local batches,
+        is the same weighing)."""
+        shares = [m.step_share for m in self._attached()]
+        share = next((s for s in shares if s is not None), None)
+        if reduction == "mean" and share is not None:
+            weight = share * self.num_processes
+            tensor = recursively_apply(lambda t: t * weight, tensor)
+        return super().reduce(tensor, reduction, scale)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
