@@ -41,6 +41,14 @@ def test_what_assumes_even_batches_follows_the_uneven_split(figures: dict[str, A
     assert figures["schedule_steps"] == 6
 
 
+def test_the_split_follows_the_speeds_and_every_sample_is_used_once(
+        figures: dict[str, Any]) -> None:
+    speeds = figures["speeds"]  # rank 0 emulated 3x slower than rank 1
+    assert all(epoch == list(range(320)) for epoch in speeds["epoch_samples"])
+    late = speeds["splits"][-5:]
+    assert all(sum(split) == 48 and split[1] > split[0] for split in late), speeds["splits"]
+
+
 def test_save_and_load_state_bring_cannikins_state_back(figures: dict[str, Any]) -> None:
     assert figures["saved_step"] == 6 and figures["step_before_load"] == 8
     assert figures["step_after_load"] == 6

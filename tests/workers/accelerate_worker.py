@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,31 @@ def blobs(n: int = 320) -> TensorDataset:
 def classifier() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def follow_speeds(accelerator: CannikinAccelerator) -> dict[str, Any]:
+    """Three epochs on workers emulated 3x slower (rank 0) and 1x: the samples of each
+    epoch, gathered, and the splits Cannikin chose."""
+    os.environ["CANNIKIN_SLOWDOWN"] = "3,1"
+    try:
+        net = classifier()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+        loader = HeteroDataLoader(blobs(), batch_size=48, seed=5)
+        model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+    finally:
+        del os.environ["CANNIKIN_SLOWDOWN"]
+    epochs: list[list[int]] = []
+    splits = []
+    for _ in range(3):
+        seen: list[int] = []
+        for x, y, idx in loader:
+            optimizer.zero_grad()
+            accelerator.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            seen += accelerator.gather(idx).tolist()
+            splits.append(list(model.plan.local_batches))
+        epochs.append(seen)
+    return {"epoch_samples": [sorted(e) for e in epochs], "splits": splits}
 
 
 def main() -> None:
@@ -84,6 +110,7 @@ def main() -> None:
             break
     after = model.step
     accelerator.load_state(location)
+    speeds = follow_speeds(accelerator)
     refused = {}
     try:
         CannikinAccelerator(cpu=True, gradient_accumulation_steps=2)
@@ -95,8 +122,8 @@ def main() -> None:
     except ValueError as error:
         refused["no_loader"] = str(error)
     results = {"rel_err": worst, "splits": splits, "loss_err": loss_err,
-               "gathered_in_order": gathered_in_order, "schedule_steps": schedule_steps, "wrapped": type(model).__name__,
-               "unwrapped_is_net": accelerator.unwrap_model(model) is net,
+               "gathered_in_order": gathered_in_order, "schedule_steps": schedule_steps,
+               "speeds": speeds, "unwrapped_is_net": accelerator.unwrap_model(model) is net,
                "saved_step": saved[0]["runtime"]["step"], "step_before_load": after,
                "step_after_load": model.step, "refused": refused,
                "is_hdp": isinstance(model, HeteroDataParallel)}
