@@ -12,7 +12,7 @@ import pytest
 
 from cannikin.goodput import choose_batch_size, efficiency
 from cannikin.optperf import Splitter, optimal_split, zero_split
-from cannikin.perf import ClusterModel, CommModel, NodeModel, micro_batches
+from cannikin.perf import ClusterModel, CommModel, NodeModel, even_passes, micro_batches
 
 
 def reference_time(node: NodeModel, comm: CommModel, batch: int) -> float:
@@ -21,6 +21,7 @@ def reference_time(node: NodeModel, comm: CommModel, batch: int) -> float:
     not only the binding ones)."""
     cap = node.micro_batch
     passes = 1 if cap is None or batch <= cap else math.ceil(batch / cap)
+    passes = node.fixed_passes or passes
     last = batch / passes
     (f0, f1), (k0, k1) = node.fwd, node.bwd
     earlier = (passes - 1) * (f0 + k0) + (f1 + k1) * (batch - last)
@@ -178,3 +179,60 @@ def test_bad_micro_batch() -> None:
         NodeModel(fwd=(0, 1e-3), bwd=(0, 1e-3), micro_batch=8)
     with pytest.raises(ValueError, match="micro_batch=0"):
         NodeModel(fwd=(0, 1e-3), bwd=(0, 1e-3), max_batch=8, micro_batch=0)
+
+
+def test_even_passes_are_exactly_so_many_with_the_empty_ones_first() -> None:
+    assert even_passes(10, 3) == (4, 3, 3)
+    assert even_passes(9, 3) == (3, 3, 3)
+    assert even_passes(2, 3) == (0, 1, 1)  # the last pass, which weighs the all-reduce
+    assert even_passes(0, 3) == (0, 0, 0)
+    for batch in range(0, 40):
+        for count in range(1, 9):
+            sizes = even_passes(batch, count)
+            assert len(sizes) == count and sum(sizes) == batch
+            assert max(sizes) - min(sizes) <= 1
+            assert sizes[-1] > 0 or batch == 0
+            assert list(sizes) in (sorted(sizes), sorted(sizes, reverse=True))  # one rescale
+    with pytest.raises(ValueError, match="count=0"):
+        even_passes(5, 0)
+
+
+def fixed_cluster(rng: np.random.Generator, n: int, m: int) -> ClusterModel:
+    """Workers that run every step in a fixed number of passes (some in one)."""
+    nodes = []
+    for i in range(n):
+        speed = float(10 ** rng.uniform(0, 1))
+        passes = int(rng.integers(1, 5))
+        nodes.append(NodeModel(
+            fwd=(float(rng.uniform(0, 0.05)), speed * float(rng.uniform(1e-3, 1e-2))),
+            bwd=(float(rng.uniform(0, 0.05)), speed * float(rng.uniform(1e-3, 2e-2))),
+            min_batch=int(rng.integers(0, 3)), max_batch=int(rng.integers(4, 12)),
+            fixed_passes=passes, name=f"w{i}"))
+    rho = [*np.sort(rng.uniform(0, 1, m - 1)).tolist(), 1.0]
+    comm = CommModel(buckets=[(r, float(rng.uniform(0, 0.1))) for r in rho])
+    return ClusterModel(nodes=nodes, comm=comm)
+
+
+def test_fixed_passes_time_and_optimal_split_match_the_formula_and_brute_force() -> None:
+    # k passes of b/k from the first sample: (k-1) whole passes and the last one's backward
+    # overlapping the all-reduce, as the runtime runs Lightning's accumulate_grad_batches
+    rng = np.random.default_rng(6)
+    checked = 0
+    for _ in range(60):
+        cluster = fixed_cluster(rng, int(rng.integers(1, 4)), int(rng.integers(1, 4)))
+        for b in range(0, 12):
+            split = tuple(min(b, n.max_batch or b) for n in cluster.nodes)
+            want = [reference_time(n, cluster.comm, x) for n, x in zip(cluster.nodes, split,
+                                                                       strict=True)]
+            np.testing.assert_allclose(cluster.node_times(split), want, rtol=1e-12)
+        lo = sum(n.min_batch for n in cluster.nodes)
+        hi = min(sum(n.max_batch or 0 for n in cluster.nodes), 20)
+        for total in range(max(lo, 1), hi + 1):
+            best = min(reference_step(cluster, s) for s in splits(cluster, total))
+            assert optimal_split(cluster, total).step_time == pytest.approx(best, rel=1e-9)
+            checked += 1
+    assert checked > 300
+    with pytest.raises(ValueError, match="two rules"):
+        NodeModel(fwd=(0, 1e-3), bwd=(0, 1e-3), max_batch=8, micro_batch=4, fixed_passes=2)
+    with pytest.raises(ValueError, match="fixed_passes=0"):
+        NodeModel(fwd=(0, 1e-3), bwd=(0, 1e-3), fixed_passes=0)

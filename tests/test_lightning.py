@@ -34,6 +34,38 @@ def test_the_gradient_is_the_mean_over_the_uneven_split(figures: dict[str, Any])
     assert got["logged_loss_err"] < 1e-5
 
 
+def test_accumulate_grad_batches_is_a_step_of_all_its_samples(figures: dict[str, Any]) -> None:
+    got = figures["accumulation"]  # accumulate_grad_batches=3, batch_size=7, 2 ranks, 250
+    # DDP's step of 3 x 7 x 2 = 42 samples, split 12/30 by rank 0's cap of 4 per pass
+    assert got["splits"] == [[12, 30]] * 5 + [[12, 28]]
+    assert got["steps"] == got["global_step"] == 6 and got["batches"] == 18
+    rank0, rank1 = got["passes"]
+    assert rank0 == [4] * 18 and rank1 == [10] * 15 + [10, 9, 9]
+    # the gradient is the mean over each step's 42 (last: 40) samples, Lightning's division
+    # of each micro-batch's loss by 3 undone; each micro-batch's logged loss is its mean
+    assert got["rel_err"] < 1e-5 and got["logged_loss_err"] < 1e-5
+    assert got["samples"] == got["distinct"] == 250
+
+
+def test_the_trainer_follows_a_total_batch_that_grows(figures: dict[str, Any]) -> None:
+    got = figures["growing"]  # 32 -> 64 at the third step: 3 + 3 steps, not 8
+    first = [c for c in got["counts"]][:6]
+    assert [c["trainer"] for c in first] == [8, 8, 6, 6, 6, 6]
+    for count in got["counts"]:
+        # Lightning's count, the progress bar's and the loader's for the epoch in progress
+        assert count["trainer"] == count["bar"] == count["epoch"], got["counts"]
+        if not count["last"]:
+            assert count["loader"] == count["trainer"], got["counts"]
+    assert [c["last"] for c in got["counts"]] == [False] * 5 + [True] + [False] * 3 + [True]
+    # each epoch uses every sample once, and both ended as such: the epoch-interval
+    # scheduler halved the LR twice (once: the first epoch ended at a StopIteration)
+    assert got["epochs"] == {"0": list(range(240)), "1": list(range(240))}
+    assert got["lr"] == pytest.approx(0.1 * 0.25)
+    # limit_train_batches=0.5: half the epoch's 6 steps once it has 6, not half of 8
+    assert got["limited_steps"] == 3
+    assert [c["trainer"] for c in got["limited_counts"]] == [4, 4, 3]
+
+
 def test_steps_are_measured_after_the_closure(figures: dict[str, Any]) -> None:
     # Lightning runs the backward inside optimizer.step(closure); the strategy runs the
     # closure first, so the measured backward is the real one (it read 0 s before)
@@ -52,6 +84,8 @@ def test_the_planned_split_follows_the_speeds(figures: dict[str, Any]) -> None:
     chosen = [split for _, reason, split in got["plans"] if reason == "cadence"]
     assert chosen and all(b1 > b0 for b0, b1 in chosen), got["plans"]
     assert [s for s in got["splits"] if s[1] > s[0]], got["splits"]
+    # whatever total batch goodput chose, Lightning counted the loader's steps
+    assert all(c["trainer"] == c["epoch"] for c in got["counts"]), got["counts"]
 
 
 def test_a_checkpoint_carries_cannikins_state_and_resumes(figures: dict[str, Any]) -> None:
@@ -63,8 +97,10 @@ def test_a_checkpoint_carries_cannikins_state_and_resumes(figures: dict[str, Any
 def test_unsupported_lightning_features_are_refused_by_name(figures: dict[str, Any]) -> None:
     refused = figures["refused"]
     assert "automatic optimization only" in refused["manual"]
-    assert "accumulate_grad_batches=2" in refused["accumulate"]
     assert "manual optimization" in refused["two_optimizers"]  # Lightning's own refusal
+    assert "accumulate_grad_batches changed from 1 to 2" in refused["accumulation_scheduler"]
+    said = refused["max_micro_batches"]
+    assert "max_micro_batches=4" in said and "accumulate_grad_batches=k" in said
 
 
 def test_mixed_precision_trains_and_measures(figures: dict[str, Any]) -> None:

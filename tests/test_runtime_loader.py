@@ -183,3 +183,66 @@ def test_steps_use_every_index_once() -> None:
         loader.attach(InPasses([17, 10], 3, cap=4), rank, 3)
         seen += [int(i) for step in loader.steps() for (batch,) in step for i in batch]
     assert sorted(seen) == list(range(103))
+
+
+class Settable(OnePass):
+    """A controller whose total batch the test sets (as a goodput re-plan does), split
+    evenly."""
+
+    def __init__(self, total: int, world: int) -> None:
+        self.total, self.world = total, world
+
+    @property
+    def total_batch(self) -> int:
+        return self.total
+
+    def split_for(self, total: int) -> tuple[int, ...]:
+        return tuple(total // self.world + (r < total % self.world) for r in range(self.world))
+
+    def begin_step(self, split: tuple[int, ...]) -> None:
+        """Nothing to prepare."""
+
+    def abandon_step(self) -> bool:
+        return False
+
+
+def test_len_counts_the_steps_taken_at_another_total_batch() -> None:
+    # 240 samples at 32: 8 steps; after 3 (96 samples) the total becomes 64, so the epoch
+    # is 3 + 3 steps (64, 64, 16), not ceil(96 / 64) + 3 = 5 (Lightning stops after len())
+    loader = HeteroDataLoader(TensorDataset(torch.arange(240)), batch_size=32, rank=0,
+                              world_size=2)
+    controller = Settable(32, 2)
+    loader.attach(controller, 0, 2)
+    steps = iter(loader)
+    for _ in range(3):
+        next(steps)
+    assert len(loader) == loader.epoch_steps == 8
+    controller.total = 64
+    assert len(loader) == loader.epoch_steps == 6
+    assert loader.step_split == (16, 16)
+    state = loader.state_dict()
+    for _ in range(3):
+        next(steps)
+    # the epoch has no step left: len() counts the next one, epoch_steps this one
+    assert loader.epoch_steps == 6 and len(loader) == 4
+    again = HeteroDataLoader(TensorDataset(torch.arange(240)), batch_size=32, rank=0,
+                             world_size=2)
+    again.attach(Settable(64, 2), 0, 2)
+    again.load_state_dict(state)
+    assert state["steps"] == 3 and again.epoch_steps == 6
+    older = {k: v for k, v in state.items() if k != "steps"}  # a state saved before steps
+    again.load_state_dict(older)
+    assert again.epoch_steps == 2 + 3  # estimated at the current total
+    with pytest.raises(ValueError, match="steps must be an integer >= 0, got -1"):
+        again.load_state_dict({**state, "steps": -1})
+
+
+def test_rewind_gives_back_the_step_count_too() -> None:
+    loader = HeteroDataLoader(TensorDataset(torch.arange(40)), batch_size=10, rank=0,
+                              world_size=1)
+    steps = iter(loader)
+    next(steps)
+    next(steps)
+    loader.rewind()
+    assert loader.epoch_steps == 4 and loader.state_dict()["steps"] == 1
+    assert loader.sampler.position == 10

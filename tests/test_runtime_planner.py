@@ -299,3 +299,40 @@ def test_one_worker_in_passes_estimates_the_noise_scale() -> None:
     alone = Planner(PlannerConfig(world_size=1, init_batch=16, max_batch=32))
     _grouped_step(alone, [dataclasses.replace(report, pass_sqnorms=())], 1.1)
     assert alone.noise.num_updates == 0  # one group: nothing to estimate from
+
+
+def test_micro_batches_fix_every_workers_passes() -> None:
+    # Lightning's accumulate_grad_batches=3: every step of every worker in 3 passes, each at
+    # most its cap (4 on worker 0), and at least one sample per pass or none at all
+    planner = Planner(PlannerConfig(world_size=2, init_batch=42, caps=(4, None),
+                                    micro_batches=3))
+    assert planner.config.accumulate and planner.config.min_local == 3
+    assert planner.config.cap_of(0) == 12 and planner.config.micro_cap(0) is None
+    assert planner.local_batches == (12, 30)
+    assert planner.passes(0, 12) == (4, 4, 4) and planner.passes(1, 28) == (10, 9, 9)
+    assert planner.passes(1, 2) == (0, 1, 1)
+    run(planner, truth((2.0, 1.0)), 12)
+    for total in (41, 7, 6, 5, 3, 2, 1):  # a final partial batch
+        split = planner.split_for(total)
+        assert sum(split) == total and all(b == 0 or b >= min(3, total) for b in split)
+        assert split[0] <= 12
+    assert sorted(planner.split_for(5)) == [0, 5] and sorted(planner.split_for(6)) == [3, 3]
+    reports = [StepReport(batch=2, timed_batch=0, sqnorm=1.3, fwd_s=0.1, bwd_s=0.1,
+                          step_s=0.3, pass_sqnorms=(0.0, 1.5, 1.8)),
+               StepReport(batch=6, timed_batch=2, sqnorm=1.4, fwd_s=0.1, bwd_s=0.1,
+                          step_s=0.3, pass_sqnorms=(1.2, 1.1, 1.3))]
+    fresh = Planner(PlannerConfig(world_size=2, init_batch=42, micro_batches=3, max_batch=84))
+    _grouped_step(fresh, reports, 1.1)  # the empty pass is no gradient group
+    want = estimate([1.5, 1.8, 1.2, 1.1, 1.3], [1, 1, 2, 2, 2], 1.1)
+    assert (fresh.noise.raw_grad_sqr, fresh.noise.raw_grad_var) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"micro_batches": 0}, r"micro_batches must be None or an integer in \[1, 16\], got 0"),
+    ({"micro_batches": 2, "accumulate": True, "max_micro_batches": 4}, "two rules"),
+    ({"micro_batches": 8}, r"batch_size must be >= 16, got 12"),
+    ({"micro_batches": 3, "max_local": 2}, "hi=2 must be >= 3"),
+])
+def test_micro_batches_errors_name_the_value(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PlannerConfig(world_size=2, init_batch=12, **kwargs)  # type: ignore[arg-type]

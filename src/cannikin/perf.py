@@ -58,6 +58,22 @@ def micro_batches(batch: int, cap: int | None) -> tuple[int, ...]:
     return (size + 1,) * extra + (size,) * (count - extra)
 
 
+def even_passes(batch: int, count: int) -> tuple[int, ...]:
+    """A local batch of ``batch`` in exactly ``count`` passes, as even as can be: the larger
+    first, as :func:`micro_batches`, but the empty ones (fewer samples than passes) before
+    the others, so that the gradient is still rescaled at most once between passes and the
+    last pass, whose size weighs the all-reduce, is empty only if the batch is. For a loop
+    that counts batches, not samples (Lightning's ``accumulate_grad_batches``)."""
+    if not _is_int(batch) or batch < 0:
+        raise ValueError(f"batch={batch!r} must be an integer >= 0")
+    if not _is_int(count) or count < 1:
+        raise ValueError(f"count={count!r} must be an integer >= 1")
+    size, extra = divmod(int(batch), int(count))
+    if size == 0:
+        return (0,) * (count - extra) + (1,) * extra
+    return (size + 1,) * extra + (size,) * (count - extra)
+
+
 @dataclass(frozen=True, kw_only=True)
 class FitConfig:
     """How :class:`NodeFitter` fits a line robustly and tells a lasting speed change."""
@@ -128,7 +144,10 @@ class NodeModel:
     means unbounded). ``micro_batch`` is the most samples one forward and backward may
     hold (memory): a local batch above it runs as :func:`micro_batches` of it,
     accumulated, and only the last one's backward overlaps the all-reduce (None: one
-    pass, ``max_batch`` is then the memory cap too). ``noise`` is the relative standard
+    pass, ``max_batch`` is then the memory cap too). ``fixed_passes``: every step runs in
+    exactly this many passes of :func:`even_passes` (a loop that counts batches), only the
+    last one's backward overlapping the all-reduce; ``max_batch`` bounds their sum (None:
+    one pass, or ``micro_batch``'s rule). ``noise`` is the relative standard
     deviation of its compute time from step to step (0: deterministic): a step waits for
     the slowest worker *of that step*, so noise raises the expected step time above the
     max of the means (:meth:`ClusterModel.expected_step_time`).
@@ -141,6 +160,7 @@ class NodeModel:
     name: str = ""
     noise: float = 0.0
     micro_batch: int | None = None
+    fixed_passes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fwd", _check_line("fwd", self.fwd, self.name))
@@ -173,13 +193,33 @@ class NodeModel:
                     f"(the most samples it may accumulate in a step)"
                 )
             object.__setattr__(self, "micro_batch", int(self.micro_batch))
+        if self.fixed_passes is not None:
+            if not _is_int(self.fixed_passes) or self.fixed_passes < 1:
+                raise ValueError(
+                    f"node {self.name!r}: fixed_passes={self.fixed_passes!r} must be None or "
+                    f"an integer >= 1"
+                )
+            if self.micro_batch is not None:
+                raise ValueError(
+                    f"node {self.name!r}: fixed_passes={self.fixed_passes} and micro_batch="
+                    f"{self.micro_batch} are two rules for the passes of a step: give one"
+                )
+            object.__setattr__(self, "fixed_passes", int(self.fixed_passes))
 
     @property
     def passes(self) -> int:
         """Most micro-batches a step of this worker takes (1 without accumulation)."""
+        if self.fixed_passes is not None:
+            return self.fixed_passes
         if self.micro_batch is None or self.max_batch is None:
             return 1
         return -(-self.max_batch // self.micro_batch)
+
+    @property
+    def rows(self) -> int:
+        """Pieces of its time model (:class:`ClusterArrays`): one per number of passes
+        under ``micro_batch``, else one (a fixed number of passes is a single line)."""
+        return 1 if self.fixed_passes is not None else self.passes
 
     def forward_time(self, batch: float) -> float:
         """Predicted forward seconds at local batch ``batch``."""
@@ -352,6 +392,7 @@ class ClusterArrays:
     A row past the first is worth using only once the one before it is full: its time at
     ``x = 0`` is above the previous row's at its top (each pass adds ``F`` and a slope no
     smaller), so the sum over rows of what each can take by a time t is the worker's.
+    A worker with ``fixed_passes`` k is the same formula on one row from ``b = 0``.
     """
 
     offsets: FloatArray
@@ -427,14 +468,16 @@ class ClusterArrays:
         remaining = cluster.comm.remaining[binding]
         offsets = remaining[None, :] + f0[:, None] + rho[None, :] * k0[:, None]
         slopes = f1[:, None] + rho[None, :] * k1[:, None]
-        passes = np.array([n.passes for n in nodes], dtype=np.intp)
+        passes = np.array([n.rows for n in nodes], dtype=np.intp)
         micro = np.array([np.inf if n.micro_batch is None else n.micro_batch for n in nodes],
                          dtype=np.float64)
         owner = np.repeat(np.arange(len(nodes)), passes)
         first_row = (np.cumsum(passes) - passes).astype(np.intp)
-        k = (np.arange(owner.size) - first_row[owner] + 1).astype(np.float64)  # passes of a row
+        row_index = (np.arange(owner.size) - first_row[owner]).astype(np.float64)
         c = np.where(np.isinf(micro), 0.0, micro)[owner]
-        start = (k - 1) * c
+        start = row_index * c
+        fixed = np.array([n.fixed_passes or 0 for n in nodes], dtype=np.float64)[owner]
+        k = np.where(fixed > 0, fixed, row_index + 1)  # passes of a row
         full = (f0 + k0)[owner][:, None]  # F: one pass's fixed time
         per_sample = (f1 + k1)[owner][:, None]  # S: one pass's time per sample
         kk = k[:, None]

@@ -149,6 +149,11 @@ class HeteroDataLoader:
         self.world_size = world_size
         self.autoscale: Autoscale | None = None
         self.controller: StepController = _EvenSplit(batch_size, world_size)
+        self.step_split: tuple[int, ...] | None = None
+        """Every rank's local batch of the step last handed out."""
+        self._taken = 0
+        """Steps handed out in the epoch in progress (meaningful while its position is > 0:
+        ``set_epoch`` may start another behind the loader's back)."""
         self._before_take: dict[str, int | bool] | None = None
 
     # -- configuration -----------------------------------------------------------------------------
@@ -186,16 +191,27 @@ class HeteroDataLoader:
 
     def __len__(self) -> int:
         """Steps in this epoch at the current total batch, as DataLoader's: the same number
-        throughout a fixed-batch epoch (the steps taken, then the steps left at the current
-        total once the batch adapts). Once the epoch has no step left it counts the next."""
-        total = self.controller.total_batch
+        throughout a fixed-batch epoch (:attr:`epoch_steps`, the steps taken and those left
+        at the current total once the batch adapts). Once the epoch has no step left it
+        counts the next, which a loop asks for before its next epoch's first step."""
         sampler = self.sampler
-        if sampler.next_total(total) == 0:
-            return sampler.num_samples // total if sampler.drop_last else -(
-                -sampler.num_samples // total)
-        left = sampler.remaining()
-        taken = -(-sampler.position // total)
-        return taken + (left // total if sampler.drop_last else -(-left // total))
+        if sampler.next_total(self.controller.total_batch) == 0:
+            return self._steps_in(sampler.num_samples)
+        return self.epoch_steps
+
+    @property
+    def epoch_steps(self) -> int:
+        """Steps of the epoch in progress: those handed out and those left at the current
+        total batch (its last one included once taken). A loop that counts its batches
+        (Lightning's) must follow it when the total batch changes: the steps taken at
+        another total are counted as they were, not re-divided."""
+        taken = self._taken if self.sampler.position > 0 else 0
+        return taken + self._steps_in(self.sampler.remaining())
+
+    def _steps_in(self, samples: int) -> int:
+        """Steps that ``samples`` samples make at the current total batch."""
+        total = self.controller.total_batch
+        return samples // total if self.sampler.drop_last else -(-samples // total)
 
     def set_epoch(self, epoch: int) -> None:
         """DistributedSampler's ``set_epoch`` (see :meth:`UnevenSampler.set_epoch`)."""
@@ -248,8 +264,12 @@ class HeteroDataLoader:
             if total == 0:
                 break
             split = self.controller.split_for(total)
-            self._before_take = self.sampler.state_dict()
+            self._before_take = self.state_dict()
+            if self.sampler.position == 0:
+                self._taken = 0
             indices = self.sampler.take(split, self.rank)
+            self._taken += 1
+            self.step_split = tuple(split)
             self.controller.begin_step(tuple(split))
             yield indices
         self.sampler.new_epoch()
@@ -273,13 +293,22 @@ class HeteroDataLoader:
         """Give back the last step's samples (its update was skipped): they come again next."""
         if self._before_take is None:
             raise RuntimeError("rewind() before any step was taken")
-        self.sampler.load_state_dict(self._before_take)
+        self.load_state_dict(self._before_take)
         self._before_take = None
 
     # -- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int | bool]:
-        """The epoch and position in its permutation (plain integers)."""
-        return self.sampler.state_dict()
+        """The epoch, the position in its permutation and the steps it took (plain
+        integers)."""
+        return {**self.sampler.state_dict(), "steps": self._taken}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. A state saved without its steps (before they were
+        kept) counts the epoch's steps taken at the current total batch."""
         self.sampler.load_state_dict(state)
+        steps = state.get("steps")
+        if steps is None:
+            steps = -(-self.sampler.position // self.controller.total_batch)
+        elif isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"loader state steps must be an integer >= 0, got {steps!r}")
+        self._taken = steps

@@ -121,6 +121,7 @@ class _Options:
     warmup_steps: int
     max_local_batch: int | Sequence[int | None] | None
     max_micro_batches: int
+    micro_batches: int | None
     device_name: str | None
 
 
@@ -191,6 +192,8 @@ class HeteroDataParallel(nn.Module):
     worker's share of a step may exceed its cap, run as up to this many micro-batches of
     at most the cap with the gradients accumulated (planned where it pays: a total batch
     beyond the caps, or a faster step); iterate :meth:`HeteroDataLoader.steps` then.
+    ``micro_batches``: every step of every worker in exactly this many (for a loop that
+    counts batches: Lightning's ``accumulate_grad_batches``), :class:`PlannerConfig`'s.
     ``slowdown``: heterogeneity
     emulation factor for this rank; None reads ``CANNIKIN_SLOWDOWN`` if it is set.
     ``slowdown_profile``: (fixed_s, per_sample_s) of the emulated reference device's
@@ -206,7 +209,8 @@ class HeteroDataParallel(nn.Module):
                  lr_scaling: str = "auto", replan_every: int = 5, warmup_steps: int = 4,
                  metrics: MetricsSink | None = None,
                  max_local_batch: int | Sequence[int | None] | None = None,
-                 max_micro_batches: int = 1, slowdown: float | None = None,
+                 max_micro_batches: int = 1, micro_batches: int | None = None,
+                 slowdown: float | None = None,
                  slowdown_profile: tuple[float, float] = DEFAULT_SLOWDOWN_PROFILE,
                  device_name: str | None = None, **ddp_kwargs: Any) -> None:
         super().__init__()
@@ -234,7 +238,8 @@ class HeteroDataParallel(nn.Module):
                              f"accumulation), got {max_micro_batches!r}")
         self._options = _Options(split=split, lr_scaling=lr_scaling, replan_every=replan_every,
                                  warmup_steps=warmup_steps, max_local_batch=max_local_batch,
-                                 max_micro_batches=max_micro_batches, device_name=device_name)
+                                 max_micro_batches=max_micro_batches,
+                                 micro_batches=micro_batches, device_name=device_name)
         self._emulation = self._install_slowdown(module, slowdown, slowdown_profile)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device])
@@ -271,7 +276,8 @@ class HeteroDataParallel(nn.Module):
             replan_every=options.replan_every, warmup_steps=options.warmup_steps,
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
             max_local=hi, caps=caps, names=names, accumulate=options.max_micro_batches > 1,
-            max_micro_batches=options.max_micro_batches), log_plans=self.rank == 0)
+            max_micro_batches=options.max_micro_batches,
+            micro_batches=options.micro_batches), log_plans=self.rank == 0)
         if options.max_micro_batches > 1 and all(cap is None for cap in caps):
             logger.warning("max_micro_batches=%d without a max_local_batch on any worker: "
                            "no worker has a memory cap to accumulate beyond",

@@ -38,6 +38,7 @@ from cannikin.perf import (
     NodeFitter,
     NodeModel,
     PredictionTracker,
+    even_passes,
     fit_nodes,
     micro_batches,
 )
@@ -232,6 +233,14 @@ class PlannerConfig:
     caps, or a faster step)."""
     max_micro_batches: int = 8
     """Most passes a step of one worker takes when accumulating."""
+    micro_batches: int | None = None
+    """Every step of every worker in exactly this many passes (:func:`~cannikin.perf.
+    even_passes`), each at most its cap, instead of as few as the caps allow: for a loop
+    that counts batches, not samples, as Lightning's ``accumulate_grad_batches`` (every
+    rank runs the user's training step, and the collectives in it, that many times per
+    optimizer step, and steps after the last). A worker then gets 0 samples or at least
+    one per pass (``min_local`` is raised to it); above 1 it sets :attr:`accumulate`
+    (with ``max_micro_batches`` 1: the other rule, which it excludes)."""
     names: tuple[str, ...] = ()
     """Per-worker device name, the key of cached models; () for "worker<i>"."""
     gns_smoothing: float = 0.999
@@ -348,8 +357,9 @@ class PlannerConfig:
         if len(self.caps) != self.world_size or len(self.names) != self.world_size:
             raise ValueError(f"caps {self.caps} and names {self.names} need one entry per "
                              f"worker ({self.world_size})")
+        self._check_micro_batches()
         for cap in self.caps:
-            if cap is not None and cap < max(self.min_local, 1):
+            if cap is not None and cap * (self.micro_batches or 1) < max(self.min_local, 1):
                 raise ValueError(f"local batch cap {cap} is below the smallest local batch "
                                  f"{max(self.min_local, 1)}")
         room = [self.cap_of(i) for i in range(self.world_size)]
@@ -389,11 +399,37 @@ class PlannerConfig:
             raise ValueError(f"local_bsz_bounds lo={self.min_local} times {self.world_size} "
                              f"workers exceeds batch_size {self.init_batch}")
 
+    def _check_micro_batches(self) -> None:
+        """Validate :attr:`micro_batches` and apply what it implies (before the caps are
+        checked, which it multiplies)."""
+        passes = self.micro_batches
+        if passes is None:
+            return
+        if isinstance(passes, bool) or not isinstance(passes, int) or not (
+                1 <= passes <= MAX_PASSES):
+            raise ValueError(f"micro_batches must be None or an integer in [1, {MAX_PASSES}], "
+                             f"got {passes!r}")
+        if self.accumulate and self.max_micro_batches > 1:
+            raise ValueError(f"micro_batches={passes} (every step in that many passes) and "
+                             f"max_micro_batches={self.max_micro_batches} (as few as the caps "
+                             f"allow, up to that many) are two rules: give one")
+        if passes * self.world_size > self.init_batch:
+            raise ValueError(f"micro_batches={passes} needs a sample per pass on each of the "
+                             f"{self.world_size} workers: batch_size must be >= "
+                             f"{passes * self.world_size}, got {self.init_batch}")
+        if self.max_local is not None and self.max_local < passes:
+            raise ValueError(f"micro_batches={passes} needs a sample per pass: local_bsz_bounds "
+                             f"hi={self.max_local} must be >= {passes}")
+        self.min_local = max(self.min_local, passes)
+        self.accumulate, self.max_micro_batches = passes > 1, 1
+
     def cap_of(self, rank: int) -> int | None:
         """Worker ``rank``'s largest local batch (its memory cap, times the passes it may
         accumulate, and the upper bound together)."""
         cap = self.caps[rank]
-        if cap is not None and self.accumulate:
+        if cap is not None and self.micro_batches is not None:
+            cap *= self.micro_batches
+        elif cap is not None and self.accumulate:
             cap *= self.max_micro_batches
         caps = [c for c in (cap, self.max_local) if c is not None]
         return min(caps) if caps else None
@@ -402,7 +438,8 @@ class PlannerConfig:
         """Worker ``rank``'s largest pass where it may accumulate beyond it, else None."""
         cap = self.caps[rank]
         bound = self.cap_of(rank)
-        if not self.accumulate or cap is None or bound is None or bound <= cap:
+        if (not self.accumulate or self.micro_batches is not None or cap is None
+                or bound is None or bound <= cap):
             return None
         return cap
 
@@ -497,6 +534,9 @@ class Planner:
         if total > self.current.total_batch or total < 0:
             raise ValueError(f"a step takes at most the planned {self.current.total_batch} "
                              f"samples, asked for {total}")
+        passes = self.config.micro_batches or 1
+        if total < passes * self.config.world_size:
+            return self._few(total, passes)
         if self.cluster_model is not None and self.config.split == "optimal":
             # every worker keeps at least one sample while there are enough to go round
             lo = min(self.config.min_local, total // self.config.world_size)
@@ -509,8 +549,24 @@ class Planner:
 
     def passes(self, rank: int, batch: int) -> tuple[int, ...]:
         """Worker ``rank``'s micro-batches of a local batch of ``batch`` (one pass unless it
-        accumulates beyond its cap); the same on every rank."""
+        accumulates beyond its cap, or :attr:`PlannerConfig.micro_batches` of them); the
+        same on every rank."""
+        if self.config.micro_batches is not None:
+            return even_passes(batch, self.config.micro_batches)
         return micro_batches(batch, self.config.micro_cap(rank))
+
+    def _few(self, total: int, passes: int) -> tuple[int, ...]:
+        """A final partial batch too small for a pass of every worker: the workers with the
+        largest shares of the plan (the fastest) get at least one sample per pass each, the
+        others none; fewer samples than passes go to one worker alone."""
+        n = self.config.world_size
+        order = sorted(range(n), key=lambda r: (-self.current.local_batches[r], r))
+        chosen = set(order[:max(1, total // passes)])
+        caps = [self.config.cap_of(r) if r in chosen else 0 for r in range(n)]
+        try:
+            return share_split(total, np.ones(n), caps)
+        except ValueError:  # the chosen workers' caps cannot hold it: any that can
+            return share_split(total, np.ones(n), [self.config.cap_of(r) for r in range(n)])
 
     def predicted(self, local_batches: Sequence[int]) -> float | None:
         """Step time the model in force predicts for ``local_batches`` (None without one):
@@ -576,8 +632,10 @@ class Planner:
                 if len(sizes) != len(report.pass_sqnorms):
                     raise ValueError(f"worker {rank} sent {len(report.pass_sqnorms)} passes' "
                                      f"norms for the {len(sizes)} passes of {report.batch}")
-                sqnorms += report.pass_sqnorms
-                batches += sizes
+                # an empty pass (fewer samples than micro_batches) estimates nothing
+                kept = [(q, b) for q, b in zip(report.pass_sqnorms, sizes, strict=True) if b]
+                sqnorms += [q for q, _ in kept]
+                batches += [b for _, b in kept]
             else:
                 sqnorms.append(report.sqnorm)
                 batches.append(report.batch)
@@ -921,15 +979,16 @@ class Planner:
             if model is None:
                 return None
             micro = cfg.micro_cap(rank)
-            nodes.append(model if micro is None else dataclasses.replace(model,
-                                                                         micro_batch=micro))
+            nodes.append(dataclasses.replace(model, micro_batch=micro,
+                                             fixed_passes=cfg.micro_batches))
         return ClusterModel(nodes=nodes, comm=self.comm_fitter.fit() or CommModel())
 
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
         """The same models with this config's bounds and caps applied."""
         nodes = [NodeModel(fwd=n.fwd, bwd=n.bwd, min_batch=min_local,
                            max_batch=self.config.cap_of(i), name=n.name, noise=n.noise,
-                           micro_batch=self.config.micro_cap(i))
+                           micro_batch=self.config.micro_cap(i),
+                           fixed_passes=self.config.micro_batches)
                  for i, n in enumerate(cluster.nodes)]
         return ClusterModel(nodes=nodes, comm=cluster.comm)
 
