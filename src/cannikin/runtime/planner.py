@@ -979,8 +979,10 @@ class Planner:
             if model is None:
                 return None
             micro = cfg.micro_cap(rank)
-            nodes.append(dataclasses.replace(model, micro_batch=micro,
-                                             fixed_passes=cfg.micro_batches))
+            if micro is not None or cfg.micro_batches is not None:  # else as fitted
+                model = dataclasses.replace(model, micro_batch=micro,
+                                            fixed_passes=cfg.micro_batches)
+            nodes.append(model)
         return ClusterModel(nodes=nodes, comm=self.comm_fitter.fit() or CommModel())
 
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
