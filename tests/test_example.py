@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from dist_utils import ROOT, run_torchrun
 
 
@@ -33,3 +35,22 @@ def test_beyond_memory_example_accumulates_and_learns() -> None:
     passes = [int(p) for p in re.findall(r"rank \d epoch 1: (\d+) micro-batches",
                                          result.stdout)]
     assert len(passes) == 2 and sum(passes) >= 1797 // 16 and min(passes) > 10, result.stdout
+
+
+def _epochs(stdout: str) -> list[tuple[float, list[int]]]:
+    """Each ``epoch N: loss L ... split [a, b]`` line's loss and split."""
+    rows = re.findall(r"epoch \d+: loss ([0-9.]+).*split \[(\d+), (\d+)\]", stdout)
+    return [(float(loss), [int(a), int(b)]) for loss, a, b in rows]
+
+
+@pytest.mark.parametrize("framework", ["lightning", "accelerate"])
+def test_framework_example_learns_with_the_split_following_the_speeds(framework: str) -> None:
+    pytest.importorskip(framework, reason=f"the {framework} extra is not installed")
+    result = run_torchrun(ROOT / "examples" / f"train_{framework}.py", nproc=2,
+                          script_args=["--epochs", "2"], timeout_s=180.0,
+                          env={"CANNIKIN_SLOWDOWN": "2,1"}).check()
+    epochs = _epochs(result.stdout)
+    assert len(epochs) == 2, result.stdout
+    (first, _), (second, split) = epochs
+    assert second < first < 2.31, result.stdout  # below chance (ln 10), then lower
+    assert split[1] > split[0] > 0 and sum(split) == 64  # rank 1 is twice as fast
