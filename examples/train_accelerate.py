@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cannikin.integrations.accelerate import CannikinAccelerator
+from cannikin.log import setup_logging
 from cannikin.runtime import HeteroDataLoader
 
 
@@ -33,6 +34,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     accelerator = CannikinAccelerator(cpu=True)          # was: Accelerator(cpu=True)
+    setup_logging(accelerator.process_index)             # Cannikin's plans, on rank 0
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from cannikin.integrations.lightning import CannikinStrategy
+from cannikin.log import setup_logging
 
 
 class DigitsClassifier(pl.LightningModule):
@@ -57,6 +58,8 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
+    # Cannikin's plans, on rank 0 (Lightning's own launch sets LOCAL_RANK only)
+    setup_logging(int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))))
     digits = load_digits()
     data = TensorDataset(torch.tensor(digits.data, dtype=torch.float32) / 16.0,
                          torch.tensor(digits.target))
