@@ -10,11 +10,21 @@ starts with one untimed step of its own, so that none is timed on the previous o
 * Cannikin (HeteroDataParallel, split "optimal"), after a warm-up in which it learns the
   workers and settles its split;
 * plain DDP at Cannikin's split (as it stood after the warm-up);
-* plain DDP at a sweep of fixed splits, including 0 samples for the slowest worker.
+* plain DDP at a sweep of fixed splits, including 0 samples for the slowest worker;
+* Cannikin held (a second HeteroDataParallel, its split pinned with ``pin_split``) at
+  Cannikin's split, at the even split, and at a split 2x away (the fastest worker's batch
+  halved, the others sharing what it gave up): at its own split, the runtime's per-step
+  cost without its planning (re-plans, probes, trials); at the other two, the steps that
+  Cannikin's model must predict away from the split in use.
 
-Cannikin's model as fitted by the end predicts every configuration's step too (its error
-against plain DDP's measured step: the model away from the split in use, DDP's own step
-being the closest measured thing to what the model describes).
+Cannikin's model as fitted by the end predicts every configuration's step; its error is
+reported against the held runs (the model describes Cannikin's steps) and against plain
+DDP's. Each rank's process CPU per step (every thread) shows where the runtime's own work
+lands: on a quota worker, one ms of CPU costs 1 / share ms of wall time.
+
+The data set is the first 3 B samples of the digits, so that every step is a full batch in
+every configuration: with all 1797 samples every fourth Cannikin step would be the epoch's
+partial batch of 357 (split evenly before a model exists), while DDP's steps wrap around.
 
 Plain DDP where rank i draws b_i samples and scales its summed loss by n / B computes the
 exact mean gradient for any fixed split, so the best of these is the ground truth for the
@@ -72,6 +82,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
     digits = load_digits()
     x_all = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y_all = torch.tensor(digits.target, dtype=torch.int64)
+    x_all, y_all = x_all[: 3 * TOTAL], y_all[: 3 * TOTAL]  # full batches only (docstring)
     rank = int(os.environ["RANK"])
     share = join_from_env(rank)  # after the imports: a 25% worker imports torch 4x slower
     torch.set_num_threads(1)
@@ -132,39 +143,61 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
     even = tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))
     ddp_step(even)  # DDP's first steps rebuild its buckets: not timed
     ddp_step(even)
+
+    held_net = mlp()
+    held_opt = torch.optim.SGD(held_net.parameters(), lr=LR, momentum=0.9)
+    held_loader = HeteroDataLoader(TensorDataset(x_all, y_all), batch_size=TOTAL, seed=0)
+    held = HeteroDataParallel(held_net, held_opt, held_loader, split="optimal", slowdown=None)
+    held_batches = (batch for _ in range(100_000) for batch in held_loader)
+
+    def held_step() -> None:
+        x, y = next(held_batches)
+        held_opt.zero_grad()
+        F.cross_entropy(held(x), y).backward()
+        held_opt.step()
+
+    away = _two_x_away(cannikin_split)
+    held.pin_split(cannikin_split)
+    for _ in range(3):
+        held_step()
     configs: dict[str, tuple[int, ...] | None] = {"DDP even": even, "Cannikin": None,
                                                  "DDP at Cannikin's split": cannikin_split}
     configs.update({"DDP " + "/".join(map(str, s)): s for s in SWEEP if s not in
                     (even, cannikin_split)})
+    pinned = {"Cannikin held at its split": cannikin_split, "Cannikin held even": even,
+              "Cannikin held 2x away": away}
+    configs.update(pinned)
     names = list(configs)
     blocks: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     errors: list[tuple[float, float]] = []  # Cannikin per block: (predicted, measured)
     for round_ in range(rounds):
         for name in names[round_ % len(names):] + names[: round_ % len(names)]:
             split = configs[name]
-            if split is None:
+            if name in pinned:
+                held.pin_split(split)
+            step = hdp_step if split is None else held_step if name in pinned else (
+                lambda split=split: ddp_step(split))
+            if split is None or name in pinned:
                 with torch.no_grad():  # marks the other blocks as a pause between steps:
-                    hdp(x_all[:1])     # HDP does not measure the next step (docs/runtime.md)
+                    (hdp if split is None else held)(x_all[:1])  # not measured (runtime.md)
             # one untimed step of the block's own configuration: the first step after another
             # configuration runs on caches that its model filled (Cannikin's model was cold
             # after every DDP block, while the DDP configurations share one model)
-            if split is None:
-                hdp_step()
-            else:
-                ddp_step(split)
+            step()
             predicted.clear()
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(block_steps):
-                if split is None:
-                    hdp_step()
-                else:
-                    ddp_step(split)
+                step()
             dist.barrier()
             step_s = (time.perf_counter() - start) / block_steps
             blocks[name].append(step_s)
+            cpu[name].append((time.process_time() - cpu_start) / block_steps)
             if split is None and predicted:
                 errors.append((statistics.fmean(predicted), step_s))
+    cpu_ms = [None] * world  # each rank's median CPU per step, by configuration
+    dist.all_gather_object(cpu_ms, {k: 1e3 * statistics.median(v) for k, v in cpu.items()})
     speeds = [0.0] * world
     dist.all_gather_object(speeds, compute_s)
     shares = [0.0] * world
@@ -179,11 +212,22 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             "splits": {k: list(v) if v else None for k, v in configs.items()},
             "cannikin_final": list(hdp.plan.local_batches), "cannikin_warm": list(cannikin_split),
             "errors": errors, "plans": len(hdp.plan_history), "model_s": model_s,
+            "cpu_ms": cpu_ms,
             "tracker_window": tracker.median_window_error(),
             "tracker_step": tracker.median_step_error(),
         }))
     hdp.remove_hooks()
+    held.remove_hooks()
     dist.destroy_process_group()
+
+
+def _two_x_away(split: tuple[int, ...]) -> tuple[int, ...]:
+    """``split`` with the fastest worker's (rank 0) batch halved and the samples it gives
+    up shared evenly by the others: every worker's batch 2x off or more."""
+    given = split[0] - split[0] // 2
+    others = len(split) - 1
+    return (split[0] // 2, *(b + given // others + (i < given % others)
+                             for i, b in enumerate(split[1:])))
 
 
 def _loadavg() -> str:
@@ -205,25 +249,35 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
     best = min(medians.values())
     rounds = len(next(iter(result["blocks"].values())))
     model_s = result["model_s"]
+    cpu_ms = result["cpu_ms"]
     print(f"\n{'configuration':28s} {'split':>12s} {'ms/step':>8s} {'IQR':>13s} "
-          f"{'samples/s':>10s} {'/ best':>7s} {'model':>7s} {'error':>6s}   ({rounds} blocks "
-          "each, median; model: Cannikin's final fit's prediction of that split)")
+          f"{'samples/s':>10s} {'/ best':>7s} {'model':>7s} {'error':>6s}  "
+          f"{'CPU ms/step by rank':>20s}   ({rounds} blocks each, median; model: Cannikin's "
+          "final fit's prediction of that split)")
     for name, step_s in sorted(medians.items(), key=lambda kv: kv[1]):
         split = result["splits"][name] or result["cannikin_final"]
         q = statistics.quantiles(result["blocks"][name], n=4)
         predicted = model_s[name]
-        model = "" if predicted is None else (
+        model = f"{'':14s}" if predicted is None else (
             f"{1e3 * predicted:7.1f} {100 * (predicted - step_s) / step_s:+5.0f}%")
+        cpu = " ".join(f"{rank[name]:5.1f}" for rank in cpu_ms)
         print(f"{name:28s} {'/'.join(map(str, split)):>12s} {1e3 * step_s:8.1f} "
               f"{1e3 * q[0]:6.1f}-{1e3 * q[2]:<6.1f} {TOTAL / step_s:10.0f} "
-              f"{best / step_s:7.2f} {model}")
-    away = [abs(p - medians[n]) / medians[n] for n, p in model_s.items()
-            if p is not None and n != "Cannikin"]
-    if away:
-        print(f"Cannikin's final model against plain DDP's measured steps, all {len(away)} "
-              f"fixed splits: median error {100 * statistics.median(away):.1f}%, worst "
-              f"{100 * max(away):.1f}% (even split: "
-              f"{100 * abs(model_s['DDP even'] - medians['DDP even']) / medians['DDP even']:.1f}%)")
+              f"{best / step_s:7.2f} {model}  {cpu:>20s}")
+
+    def error(name: str) -> float:
+        return abs(model_s[name] - medians[name]) / medians[name]
+
+    if model_s["Cannikin"] is not None:
+        held = [n for n in medians if n.startswith("Cannikin held")]
+        print("Cannikin's final model against Cannikin held at a split: "
+              + ", ".join(f"{n.removeprefix('Cannikin held ')} {100 * error(n):.1f}%"
+                          for n in held))
+        ddp = [n for n in medians if n.startswith("DDP")]
+        print(f"Cannikin's final model against plain DDP's measured steps, all {len(ddp)} "
+              f"fixed splits: median error {100 * statistics.median(map(error, ddp)):.1f}%, "
+              f"worst {100 * max(map(error, ddp)):.1f}% (even split: "
+              f"{100 * error('DDP even'):.1f}%)")
     warm, final = result["cannikin_warm"], result["cannikin_final"]
     moved = "" if warm == final else f" (after the warm-up: {'/'.join(map(str, warm))})"
     print(f"\nCannikin's split {'/'.join(map(str, final))}{moved}, {result['plans']} plans")
@@ -239,7 +293,8 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
           f"{100 * result['tracker_window']:.1f}%, step median {100 * result['tracker_step']:.1f}%")
     ddp_at = medians["DDP at Cannikin's split"]
     print(f"Cannikin / plain DDP at the same split: {medians['Cannikin'] / ddp_at:.2f}x the step "
-          "time")
+          f"time; Cannikin held there / plain DDP: "
+          f"{medians['Cannikin held at its split'] / ddp_at:.2f}x")
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ from dist_utils import WORKERS, run_torchrun
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
           "adam_noise_reset", "noise_stride", "amp", "ddp_habits", "attach_later",
-          "model_output", "step_timeout", "accumulate"]
+          "model_output", "step_timeout", "accumulate", "pinned_split"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -152,6 +152,14 @@ def test_oom_lowers_cap_and_retries_every_sample(figures: dict[str, Any], check:
     assert oom["split"][1] <= 15 and sum(oom["split"]) == 60
     assert oom["samples"] == oom["distinct"] == 300  # each sample trained on exactly once
     assert oom["updates"] == 5
+
+
+def test_a_pinned_split_holds_exactly_until_released(figures: dict[str, Any]) -> None:
+    pin = figures["pinned_split"]
+    assert pin["splits"][:8] == [pin["pinned"]] * 8  # two epochs of 4 steps
+    assert pin["rel_err"] < 1e-5
+    assert pin["reasons"][:2] == ["start", "pinned"] and len(pin["reasons"]) > 2
+    assert pin["splits"][-1] != pin["pinned"]  # equal speeds: planned near even
 
 
 def _mean(values: list[float]) -> float:

@@ -53,14 +53,14 @@ def timings(cluster: ClusterModel, split: tuple[int, ...], rng: np.random.Genera
 
 
 def run(planner: Planner, cluster: ClusterModel, steps: int, seed: int = 0,
-        sqnorm_noise: float = 50.0) -> list[float]:
-    """Drive ``planner`` like the runtime does (timings arrive one step late); returns the
-    true step time of each step."""
+        sqnorm_noise: float = 50.0, start: int = 0) -> list[float]:
+    """Drive ``planner`` like the runtime does (timings arrive one step late) from step
+    ``start``; returns the true step time of each step."""
     rng = np.random.default_rng(seed)
     true_times = []
     previous: list[StepReport | None] = [None] * cluster.size
     previous_global = None
-    for step in range(steps):
+    for step in range(start, start + steps):
         split = planner.split_for(planner.total_batch)
         true_times.append(cluster.step_time(list(split)))
         rows = [WorkerReport(batch=b, previous=p) for b, p in zip(split, previous, strict=True)]
@@ -124,6 +124,47 @@ def test_a_held_plan_measures_every_fourth_step_and_a_new_plan_every_step() -> N
     planner.lower_cap(0, 32)
     assert planner.replan(120, "out of memory").local_batches != (32, 32)
     assert all(planner.measures(s) for s in range(121, 129))
+
+
+def test_a_pinned_split_holds_is_measured_and_released_to_a_replan() -> None:
+    cluster = truth((4.0, 1.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=3, init_batch=90))
+    run(planner, cluster, 20)
+    planner.pin(20, (30, 30, 30))
+    assert planner.current.reason == "pinned" and planner.current.predicted_step_s is not None
+    run(planner, cluster, 200, start=20)
+    assert planner.history[-1].reason == "pinned" and planner.local_batches == (30, 30, 30)
+    assert not any(planner.due(s) for s in range(220, 400))
+    assert [planner.measures(s) for s in range(220, 228)] == [
+        s % planner.config.measure_stride == 0 for s in range(220, 228)]
+    assert all(30 in f.batch_sizes() for f in planner.fitters)  # the model learns from it
+    planner.pin(220, None)
+    assert planner.due(220)
+    planned = planner.replan(220).local_batches
+    assert cluster.step_time(list(planned)) < 0.8 * cluster.step_time([30, 30, 30])
+
+
+@pytest.mark.parametrize(("split", "match"), [
+    ((30, 60), "needs 3 local batches"), ((30, -1, 61), "whole numbers >= 0"),
+    ((30.0, 30, 30), "whole numbers"), ((True, 30, 59), "whole numbers"),
+    ((0, 0, 0), "positive sum"), ((50, 20, 20), "worker 0 cannot take 50 .* is 40"),
+])
+def test_a_pinned_split_is_checked(split: tuple[int, ...], match: str) -> None:
+    planner = Planner(PlannerConfig(world_size=3, init_batch=90, caps=(40, None, None)))
+    with pytest.raises(ValueError, match=match):
+        planner.pin(0, split)
+    assert not planner.pinned
+
+
+def test_out_of_memory_releases_a_pinned_split(caplog: pytest.LogCaptureFixture) -> None:
+    planner = Planner(PlannerConfig(world_size=3, init_batch=90))
+    run(planner, truth((4.0, 1.0, 1.0)), 10)
+    planner.pin(10, (10, 40, 40))
+    planner.lower_cap(1, 40)
+    with caplog.at_level(logging.WARNING, logger="cannikin"):
+        record = planner.replan(10, "out of memory")
+    assert not planner.pinned and record.local_batches[1] <= 32
+    assert "pinned split [10, 40, 40] is released (out of memory)" in caplog.text
 
 
 def test_a_replan_keeps_a_split_as_good_as_the_new_optimum_and_drops_a_worse_one() -> None:

@@ -275,6 +275,19 @@ def _timings(rows: list[dict[str, Any]]) -> list[list[float]]:
     return [[r["step_time_s"], r["fwd_s"], r["bwd_s"]] for r in rows if r["measured"]]
 
 
+def _gradient_error(net: nn.Module, ref: nn.Module, data: torch.utils.data.TensorDataset,
+                    idx: torch.Tensor, device: torch.device) -> float:
+    """Largest difference between ``net``'s gradient and one process's (``ref``) over the
+    step's samples (every rank's ``idx``), relative to the largest gradient value."""
+    union = torch.tensor(_all_indices(idx.tolist()))
+    ref.zero_grad()
+    F.cross_entropy(ref(data.tensors[0][union].to(device)),
+                    data.tensors[1][union].to(device)).backward()
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+    return max(float((p.grad - q.grad).abs().max())
+               for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
+
+
 def _hdp_gradient(device: torch.device) -> dict[str, Any]:
     """Through the whole API (loader split, weight, hook, clock): grad == single process."""
     data = _blobs(200)
@@ -291,14 +304,7 @@ def _hdp_gradient(device: torch.device) -> dict[str, Any]:
     for step, (x, y, idx) in enumerate(loader):
         opt.zero_grad()
         F.cross_entropy(model(x.to(device)), y.to(device)).backward()
-        union = torch.tensor(_all_indices(idx.tolist()))
-        ref.zero_grad()
-        F.cross_entropy(ref(data.tensors[0][union].to(device)),
-                        data.tensors[1][union].to(device)).backward()
-        scale = max(float(q.grad.abs().max()) for q in ref.parameters())
-        worst = max(worst, max(float((p.grad - q.grad).abs().max())
-                               for p, q in zip(net.parameters(), ref.parameters(),
-                                               strict=True)) / scale)
+        worst = max(worst, _gradient_error(net, ref, data, idx, device))
         opt.step()
         if step == 3:  # 64+64+64+8: the last, partial batch is split too
             break
@@ -313,6 +319,34 @@ def check_hdp_gradient() -> dict[str, Any]:
 
 def check_cuda_hdp_gradient() -> dict[str, Any]:
     return _hdp_gradient(_cuda())
+
+
+def check_pinned_split() -> dict[str, Any]:
+    """A split pinned before training holds for two epochs with the mean gradient of one
+    process; released, the planner plans again (equal speeds: near even)."""
+    data = _blobs(240)
+    net = _classifier()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    loader = HeteroDataLoader(data, batch_size=60, seed=4)
+    model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None,
+                               replan_every=2)
+    pinned = [5, 20, 35][:dist.get_world_size()]
+    pinned[-1] += 60 - sum(pinned)
+    model.pin_split(pinned)
+    splits, worst = [], 0.0
+    for epoch in range(4):
+        if epoch == 2:
+            model.pin_split(None)
+        for x, y, idx in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            worst = max(worst, _gradient_error(net, ref, data, idx, torch.device("cpu")))
+            opt.step()
+            splits.append(list(model.last_metrics["local_batches"]))
+    model.remove_hooks()
+    return {"pinned": pinned, "splits": splits, "rel_err": worst,
+            "reasons": [r.reason for r in model.plan_history]}
 
 
 def _train_hetero(device: torch.device) -> dict[str, Any]:

@@ -397,6 +397,15 @@ class HeteroDataParallel(nn.Module):
         return Plan(local_batches=record.local_batches,
                     step_time=math.nan if pred is None else pred)
 
+    def pin_split(self, split: Sequence[int] | None) -> None:
+        """Train with ``split`` (one local batch per rank, their sum the total batch) from
+        the next step on, without re-planning, until ``pin_split(None)`` hands the split
+        back to the planner. Every rank must pin the same split at the same step (the
+        step's exchange refuses ranks whose splits differ). The gradient stays the exact
+        mean over the step's samples; the pinned steps are measured, so
+        :attr:`cluster_model` still learns from them. An out-of-memory releases the pin."""
+        self.planner.pin(self._cycle.step, split)
+
     @property
     def plan_history(self) -> list[PlanRecord]:
         return self.planner.history

@@ -499,6 +499,8 @@ class Planner:
     """Workers kept at 0 samples by a trial, and the step until which they stay there."""
     _last_trial: dict[int, int] = field(default_factory=dict, init=False)
     """The step of each worker's latest trial."""
+    pinned: bool = field(default=False, init=False)
+    """A split set from outside holds (:meth:`pin`): no re-plan until it is released."""
     _remember: tuple[bool, bool] = field(default=(False, False), init=False)
     """Whether the previous and the current step's split was chosen regardless of the
     measurements (the warm-up's even split, a probe): their timings are remembered."""
@@ -590,7 +592,37 @@ class Planner:
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
-        return step >= self._next_replan or self._drifted is not None
+        return not self.pinned and (step >= self._next_replan or self._drifted is not None)
+
+    def pin(self, step: int, split: Sequence[int] | None) -> None:
+        """Hold ``split`` from step ``step`` on, with no re-plan, probe or trial, until
+        ``pin(step, None)`` re-plans at once (every rank must pin the same). For a split
+        chosen outside: a user's own, a benchmark's fixed ones. The pinned steps are
+        measured at the held cadence and the model keeps learning from them."""
+        if split is None:
+            if self.pinned:
+                self.pinned = False
+                self._interval = self.config.replan_every
+                self._next_replan = step
+            return
+        n = self.config.world_size
+        batches = tuple(split)
+        if len(batches) != n or not all(isinstance(b, int) and not isinstance(b, bool)
+                                        and b >= 0 for b in batches) or sum(batches) < 1:
+            raise ValueError(f"a pinned split needs {n} local batches, whole numbers >= 0 "
+                             f"with a positive sum, got {list(batches)}")
+        for rank, batch in enumerate(batches):
+            cap = self.config.cap_of(rank)
+            if cap is not None and batch > cap:
+                raise ValueError(f"worker {rank} cannot take {batch} samples in a pinned split "
+                                 f"{list(batches)}: its largest local batch is {cap}")
+        cluster = self.cluster_model
+        predicted = None if cluster is None else cluster.expected_step_time(list(batches))
+        self.current = self._record(step, "pinned", batches, predicted, cluster=cluster)
+        self.pinned = True
+        self._trial, self._before_probe, self._drifted = None, None, None
+        self._interval = self.config.max_replan_every  # measured at the held cadence
+        self._window_ends = True
 
     # -- feeding it ----------------------------------------------------------------------------
     def observe(self, step: int, reports: Sequence[WorkerReport],
@@ -603,7 +635,7 @@ class Planner:
         previous = [r.previous for r in reports]
         reason = self.current.reason
         self._remember = (self._remember[1], self.current.nodes is None
-                          or reason.startswith("probe"))
+                          or reason.startswith("probe") or reason == "pinned")
         if all(p is not None for p in previous):
             done = [p for p in previous if p is not None]
             sqnorms, batches = self._gradient_groups(done)
@@ -703,6 +735,10 @@ class Planner:
     def replan(self, step: int, reason: str = "cadence") -> PlanRecord:
         """Refit the cluster and choose the split (and total batch) from the next step on."""
         self._window_ends = True  # once this step's timing arrives
+        if self.pinned:  # only an out-of-memory re-plans a pinned split: it no longer fits
+            logger.warning("step %d: the pinned split %s is released (%s)", step,
+                           list(self.current.local_batches), reason)
+            self.pinned = False
         if self._drifted is not None and reason == "cadence":
             reason = f"worker {self._drifted} drifted from its model"
         self._drifted, self._drift_ratios = None, []
