@@ -31,28 +31,39 @@ _PAIR_SHIFT = 2
 def masked_median(x: FloatArray, mask: BoolArray) -> FloatArray:
     """The median along the last axis of the masked-in values (NaN where there are none):
     the same value as ``np.median`` of them. ``mask`` broadcasts against ``x``."""
-    return _median_of_low(np.where(mask, x, np.inf), mask.sum(axis=-1))
+    masked = np.where(mask, x, np.nan)
+    masked.sort(axis=-1)
+    return _median_of_sorted(masked, mask.sum(axis=-1))
 
 
 def _median_of_low(x: FloatArray, count: IntArray) -> FloatArray:
-    """The median of the ``count`` lowest values along the last axis of ``x`` (the rest
-    are +inf); ``count`` broadcasts against ``x.shape[:-1]``."""
-    width = x.shape[-1]
-    ordered = np.sort(x, axis=-1).reshape(-1)
-    count = np.broadcast_to(count, x.shape[:-1]).reshape(-1)
+    """The median of the ``count`` lowest values along the last axis of ``x``, the others
+    being NaN or +inf (a sort puts both last: a missing sample is NaN, so that arithmetic
+    carries it instead of a mask); ``count`` broadcasts against ``x.shape[:-1]``."""
+    return _median_of_sorted(np.sort(x, axis=-1), count)
+
+
+def _median_of_sorted(ordered: FloatArray, count: IntArray) -> FloatArray:
+    """:func:`_median_of_low` of values already sorted along the last axis."""
+    width = ordered.shape[-1]
+    flat = ordered.reshape(-1)
+    count = np.broadcast_to(count, ordered.shape[:-1]).reshape(-1)
     base = np.arange(count.size) * width
-    lo = ordered[base + np.maximum((count - 1) // 2, 0)]
-    hi = ordered[base + np.minimum(count // 2, width - 1)]
+    lo = flat[base + np.maximum((count - 1) // 2, 0)]
+    hi = flat[base + np.minimum(count // 2, width - 1)]
     with np.errstate(invalid="ignore"):
-        median: FloatArray = np.where(count > 0, (lo + hi) / 2, np.nan).reshape(x.shape[:-1])
+        median: FloatArray = np.where(count > 0, (lo + hi) / 2, np.nan).reshape(
+            ordered.shape[:-1])
     return median
 
 
 def has_two_values(x: FloatArray, mask: BoolArray) -> BoolArray:
-    """Whether the masked-in values along the last axis hold two different values."""
-    lowest = np.where(mask, x, np.inf).min(axis=-1)
-    highest = np.where(mask, x, -np.inf).max(axis=-1)
-    two: BoolArray = highest > lowest
+    """Whether the masked-in values along the last axis hold two different values: whether
+    any differs from the first one (boolean passes, cheaper than a masked min and max)."""
+    mask = np.broadcast_to(mask, np.broadcast_shapes(x.shape, mask.shape))
+    first = np.take_along_axis(np.broadcast_to(x, mask.shape), mask.argmax(axis=-1)[..., None],
+                               axis=-1)
+    two: BoolArray = (mask & (x != first)).any(axis=-1)
     return two
 
 
@@ -83,18 +94,24 @@ def robust_lines(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: BoolArray,
     the same plan quality and fit errors as Theil-Sen's).
     """
     series = y.shape[0]
+    count = valid.sum(axis=-1)
+    b_missing = np.where(valid, b, np.nan)  # NaN carries "no sample" through the arithmetic
     b_all = np.concatenate([b, anchor_b], axis=-1)
     y_all = np.concatenate([y, anchor_y], axis=-1)
     anchored = np.broadcast_to(anchor_valid, (series, *anchor_valid.shape))
     anchor_weights = np.broadcast_to(np.where(anchor_valid, anchor_weight, 0.0),
                                      anchored.shape)
     positive = np.concatenate([valid, anchor_valid], axis=-1) & (b_all > 0)
-    proportional = masked_median(np.divide(y_all, b_all, out=np.zeros_like(y_all),
-                                           where=positive), positive)
-    slope = _pair_slope(b, y, valid)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_sample = y_all / np.where(positive, b_all, np.nan)
+    per_sample.sort(axis=-1)
+    proportional = _median_of_sorted(per_sample, positive.sum(axis=-1))
+    slope = _pair_slope(b_missing, y, count)
     intercept = np.full(slope.shape, np.nan)  # a fitted line's, else the first line's below
+    # added to the robust scale so that exact (noise-free) samples are inliers
+    exact = SCALE_FLOOR * np.where(valid, np.abs(y), 0.0).sum(axis=-1) / np.maximum(count, 1)
     for _ in range(2):
-        inlier = _inliers(cfg, b, y, valid, slope)
+        inlier = _inliers(cfg, b_missing, y, count, slope, exact)
         used = np.concatenate([inlier, anchored], axis=-1)
         weight = np.concatenate([inlier.astype(np.float64), anchor_weights], axis=-1)
         spread = has_two_values(b_all, used)
@@ -103,8 +120,10 @@ def robust_lines(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: BoolArray,
         slope = np.where(spread, shrunk_slope, slope)
         intercept = np.where(spread, shrunk_intercept, intercept)
     unfitted = np.isnan(intercept)
-    if unfitted.any():
-        intercept = np.where(unfitted, masked_median(y - slope[..., None] * b, valid), intercept)
+    if unfitted.any():  # no round had two batch sizes: the first line's median intercept
+        workers = np.nonzero(unfitted)[1]
+        residual = y[unfitted] - slope[unfitted][:, None] * b_missing[workers]
+        intercept[unfitted] = _median_of_low(residual, count[workers])
 
     b_used = np.where(used, b_all, 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -114,38 +133,38 @@ def robust_lines(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: BoolArray,
     intercept = np.where(negative, 0.0, intercept)
     floor = cfg.min_slope_fraction * proportional
     low = slope < floor
-    if low.any():
-        floored = np.maximum(0.0, masked_median(y_all - floor[..., None] * b_all, used))
-        intercept = np.where(low, floored, intercept)
+    if low.any():  # only the floored rows' intercepts are needed
+        workers = np.nonzero(low)[1]
+        at_floor = np.where(used[low], y_all[low] - floor[low][:, None] * b_all[workers], np.nan)
+        intercept[low] = np.maximum(0.0, _median_of_low(at_floor, used[low].sum(axis=-1)))
         slope = np.where(low, floor, slope)
     return intercept, slope
 
 
-def _inliers(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: BoolArray,
-             slope: FloatArray) -> BoolArray:
+def _inliers(cfg: FitConfig, b: FloatArray, y: FloatArray, count: IntArray,
+             slope: FloatArray, exact: FloatArray) -> BoolArray:
     """The samples within ``cfg.outlier_sigmas`` robust standard deviations of the median
-    residual from a line of this slope (plus ``SCALE_FLOOR`` of the mean time, so exact
-    samples are inliers)."""
-    residual = y - slope[..., None] * b
-    centre, scale = robust_spread(residual, valid)
-    scale = scale + SCALE_FLOOR * np.where(valid, np.abs(y), 0.0).sum(axis=-1) / np.maximum(
-        valid.sum(axis=-1), 1) + _TINY
-    inlier: BoolArray = valid & (
-        np.abs(residual - centre[..., None]) <= cfg.outlier_sigmas * scale[..., None])
+    residual from a line of this slope (plus ``exact``, a small fraction of the mean time,
+    so that exact samples are inliers); ``b`` is NaN where there is no sample."""
+    residual = np.multiply(slope[..., None], b)
+    np.subtract(y, residual, out=residual)
+    _, scale, deviation = _spread_in_place(residual, count)
+    scale = scale + exact + _TINY
+    inlier: BoolArray = deviation <= cfg.outlier_sigmas * scale[..., None]
     return inlier
 
 
-def _pair_slope(b: FloatArray, y: FloatArray, valid: BoolArray) -> FloatArray:
+def _pair_slope(b: FloatArray, y: FloatArray, count: IntArray) -> FloatArray:
     """A robust first slope (0 for a row at one batch size): the median of the slopes
     between samples about half a row apart in batch order, each paired with those
     ``_PAIR_SHIFT`` places nearer or further too. That is Theil-Sen on up to 6 samples and
     ~5 pairs per sample beyond (Theil-Sen: n/2). A pair is spoilt when either sample is,
     so, as for Theil-Sen, up to 29% of the samples can be stragglers at random before the
-    median breaks, and the pairs span the row's batch range as its widest ones do."""
-    order = np.argsort(np.where(valid, b, np.inf), axis=-1, kind="stable")
+    median breaks, and the pairs span the row's batch range as its widest ones do. ``b``
+    is NaN past each row's ``count`` samples."""
+    order = np.argsort(b, axis=-1, kind="stable")  # NaN last
     b_sorted = np.take_along_axis(b, order, axis=-1)
     y_sorted = np.take_along_axis(y, order[None], axis=-1)
-    count = valid.sum(axis=-1)
     slope = np.zeros(y.shape[:2])
     sizes = np.unique(count).tolist()
     for size in sizes:  # rows of one sample count pair alike: slices
@@ -155,12 +174,20 @@ def _pair_slope(b: FloatArray, y: FloatArray, valid: BoolArray) -> FloatArray:
         if not offsets:
             continue
         bs, ys = b_sorted[rows], y_sorted[:, rows]
-        db = np.concatenate([bs[:, h:size] - bs[:, : size - h] for h in offsets], axis=-1)
-        dy = np.concatenate([ys[..., h:size] - ys[..., : size - h] for h in offsets], axis=-1)
+        db = np.empty((bs.shape[0], sum(size - h for h in offsets)))
+        dy = np.empty((ys.shape[0], *db.shape))
+        at = 0
+        for h in offsets:  # the differences of samples h apart, side by side
+            np.subtract(bs[:, h:size], bs[:, : size - h], out=db[:, at:at + size - h])
+            np.subtract(ys[..., h:size], ys[..., : size - h], out=dy[..., at:at + size - h])
+            at += size - h
         pair = db != 0
-        slopes = np.divide(dy, db, out=np.full_like(dy, np.inf), where=pair)
+        with np.errstate(invalid="ignore"):  # 0/NaN: no pair (equal batches), sorted last
+            np.copyto(db, np.nan, where=~pair)
+            slopes = np.divide(dy, db, out=dy)
         count_pairs = pair.sum(axis=-1)
-        slope[:, rows] = np.where(count_pairs > 0, _median_of_low(slopes, count_pairs), 0.0)
+        slopes.sort(axis=-1)
+        slope[:, rows] = np.where(count_pairs > 0, _median_of_sorted(slopes, count_pairs), 0.0)
     return slope
 
 
@@ -174,23 +201,48 @@ def shrunk_lines(b: FloatArray, y: FloatArray, weight: FloatArray, prior_slope: 
     cannot fit a slope near 0. ``weight`` (per point, in samples' worth; 0: left out) lets
     an anchor count as the measurements its median stands for."""
     total = weight.sum(axis=-1)
+    scratch = np.empty(np.broadcast_shapes(weight.shape, b.shape, y.shape))
     with np.errstate(invalid="ignore", divide="ignore"):
-        b_mean = (weight * b).sum(axis=-1) / total
-        y_mean = (weight * y).sum(axis=-1) / total
+        b_mean = _weighted_sum(weight, (b,), scratch) / total
+        y_mean = _weighted_sum(weight, (y,), scratch) / total
         db, dy = b - b_mean[..., None], y - y_mean[..., None]
-        sxx, sxy = (weight * db * db).sum(axis=-1), (weight * db * dy).sum(axis=-1)
-        residual = dy - (sxy / sxx)[..., None] * db
-        noise_var = (weight * residual * residual).sum(axis=-1) / np.maximum(total - 2, 1.0)
+        sxx, sxy = _weighted_sum(weight, (db, db), scratch), _weighted_sum(weight, (db, dy),
+                                                                          scratch)
+        residual = np.subtract(dy, np.multiply((sxy / sxx)[..., None], db, out=db), out=dy)
+        noise_var = _weighted_sum(weight, (residual, residual), scratch) / np.maximum(
+            total - 2, 1.0)
         prior_var = (prior_sd * prior_slope) ** 2
         ridge = np.where(prior_var > 0, noise_var / prior_var, 0.0)
         slope = (sxy + ridge * prior_slope) / (sxx + ridge)
     return slope, y_mean - slope * b_mean
 
 
+def _weighted_sum(weight: FloatArray, factors: tuple[FloatArray, ...],
+                  scratch: FloatArray) -> FloatArray:
+    """``(weight * factors[0] * factors[1] ...).sum(axis=-1)``, the products in ``scratch``:
+    at n = 1024 a fresh (series, workers, points) array per product was a fifth of the
+    line fit's time."""
+    np.multiply(weight, factors[0], out=scratch)
+    for factor in factors[1:]:
+        np.multiply(scratch, factor, out=scratch)
+    total: FloatArray = scratch.sum(axis=-1)
+    return total
+
+
 def robust_spread(x: FloatArray, valid: BoolArray) -> tuple[FloatArray, FloatArray]:
     """The median and the robust standard deviation (1.4826 MAD) along the last axis."""
-    centre = masked_median(x, valid)
-    return centre, 1.4826 * masked_median(np.abs(x - centre[..., None]), valid)
+    centre, scale, _ = _spread_in_place(np.where(valid, x, np.nan), valid.sum(axis=-1))
+    return centre, scale
+
+
+def _spread_in_place(x: FloatArray, count: IntArray) -> tuple[FloatArray, FloatArray,
+                                                                 FloatArray]:
+    """:func:`robust_spread` of the ``count`` values of ``x`` that are not NaN, and ``x``
+    itself, overwritten by each value's absolute deviation from the median (NaN stays):
+    a (workers, window) temporary less, which the fit's time at n = 1024 notices."""
+    centre = _median_of_low(x, count)
+    deviation = np.abs(np.subtract(x, centre[..., None], out=x), out=x)
+    return centre, 1.4826 * _median_of_low(deviation, count), deviation
 
 
 def change_points(log_ratio: FloatArray, valid: BoolArray, cfg: FitConfig,
