@@ -586,7 +586,9 @@ class NodeFitter:
     config: FitConfig = field(default_factory=FitConfig)
     """How each line is fitted and a change of speed told."""
     _ring: FloatArray = field(init=False, repr=False)
-    """The window's samples (batch, fwd, bwd), a ring: a re-plan stacks every worker's."""
+    """The window's samples as columns (batch, fwd, bwd), a ring written twice over, so
+    that ``[:, start:start + window]`` is the window in time order (zeros past the count):
+    a re-plan copies every worker's in one slice each, no gather and no mask."""
     _start: int = field(default=0, init=False, repr=False)  # the oldest sample's row
     _count: int = field(default=0, init=False, repr=False)
     _levels: OrderedDict[float, deque[tuple[float, float]]] = field(init=False, repr=False)
@@ -608,7 +610,7 @@ class NodeFitter:
         if self.anchor_min_samples > self.level_samples:
             raise ValueError(f"anchor_min_samples={self.anchor_min_samples} exceeds "
                              f"level_samples={self.level_samples}")
-        self._ring = np.zeros((self.window, 3))
+        self._ring = np.zeros((3, 2 * self.window))
         self._levels = OrderedDict()
 
     @property
@@ -618,7 +620,7 @@ class NodeFitter:
 
     def samples(self) -> FloatArray:
         """The window's samples, oldest first: rows (batch, fwd, bwd)."""
-        return self._ring[(self._start + np.arange(self._count)) % self.window]
+        return self._ring[:, self._start:self._start + self._count].T.copy()
 
     def batch_sizes(self) -> list[float]:
         """The distinct batch sizes the next fit rests on (the window's and the anchors')."""
@@ -678,7 +680,8 @@ class NodeFitter:
                 "and >= 0", batch, fwd_s, bwd_s,
             )
             return False
-        self._ring[(self._start + self._count) % self.window] = values
+        at = (self._start + self._count) % self.window
+        self._ring[:, at] = self._ring[:, at + self.window] = values
         if self._count < self.window:
             self._count += 1
         else:
@@ -715,6 +718,8 @@ class NodeFitter:
 
     def _forget_oldest(self, count: int) -> None:
         """Drop the window's ``count`` oldest samples and every anchor (a change of speed)."""
+        gone = (self._start + np.arange(count)) % self.window
+        self._ring[:, gone] = self._ring[:, gone + self.window] = 0.0  # zeros past the count
         self._start = (self._start + count) % self.window
         self._count -= count
         self._levels.clear()
@@ -779,13 +784,12 @@ def _windows(fitters: Sequence[NodeFitter]) -> tuple[FloatArray, FloatArray, Flo
     """The windows of fitters with one window length, oldest sample first: batch, forward
     and backward times (0 past a window's count) and which are samples."""
     width = fitters[0].window
-    start = np.array([f._start for f in fitters])
+    data = np.empty((3, len(fitters), width))
+    for row, fitter in enumerate(fitters):
+        data[:, row] = fitter._ring[:, fitter._start:fitter._start + width]
     count = np.array([f._count for f in fitters])
-    order = (start[:, None] + np.arange(width)) % width
-    data = np.take_along_axis(np.stack([f._ring for f in fitters]), order[:, :, None], axis=1)
     valid = np.arange(width)[None, :] < count[:, None]
-    b, fwd, bwd = (np.where(valid, data[:, :, column], 0.0) for column in range(3))
-    return b, fwd, bwd, valid
+    return data[0], data[1], data[2], valid
 
 
 def _log_ratio(lines: FloatArray, b: FloatArray, total: FloatArray) -> FloatArray:
