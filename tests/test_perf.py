@@ -499,3 +499,27 @@ def test_a_refit_without_new_samples_is_the_last_fit() -> None:
         assert twice.fit(name="v", max_batch=50) == dataclasses.replace(first, name="v",
                                                                          max_batch=50)
     assert twice.num_samples < 64  # the speed change was found and the window cut
+
+
+def test_fitted_models_are_what_the_constructor_builds() -> None:
+    """fit_nodes builds most models from a checked one (no checks per model): each must
+    equal NodeModel's own construction, and bounds NodeModel refuses are still refused,
+    whichever worker first carries them."""
+    rng = np.random.default_rng(5)
+    fitters = [NodeFitter() for _ in range(8)]
+    for fitter in fitters:
+        for b, f, k in samples(rng, 20, noise=0.1):
+            fitter.add(b, f, k)
+    names = [f"w{i}" for i in range(8)]
+    lows, highs = [1, 2, 1, 1, 2, 1, 1, 1], [None, 64, None, 64, 64, None, 80, None]
+    models = fit_nodes(fitters, names, lows, highs)
+    for model, name, low, high in zip(models, names, lows, highs, strict=True):
+        assert model is not None
+        assert model == NodeModel(fwd=model.fwd, bwd=model.bwd, name=name, min_batch=low,
+                                  max_batch=high, noise=model.noise)
+        assert type(model.min_batch) is int and model.micro_batch is None
+    for bad_low in (1.0, True):
+        for fitter, b in zip(fitters, (8, 16), strict=False):
+            fitter.add(b, 0.02, 0.04)  # a new sample: refitted
+        with pytest.raises(ValueError, match=f"node 'w1': min_batch={bad_low}"):
+            fit_nodes(fitters[:2], names[:2], [1, bad_low], [None, None])  # type: ignore[list-item]
