@@ -186,32 +186,40 @@ def _pair_slope(b: FloatArray, y: FloatArray, count: IntArray) -> FloatArray:
     so, as for Theil-Sen, up to 29% of the samples can be stragglers at random before the
     median breaks, and the pairs span the row's batch range as its widest ones do. ``b``
     is NaN past each row's ``count`` samples."""
+    rows, width = b.shape
+    series = y.shape[0]
     order = np.argsort(b, axis=-1, kind="stable")  # NaN last
-    b_sorted = np.take_along_axis(b, order, axis=-1)
-    y_sorted = np.take_along_axis(y, order[None], axis=-1)
-    slope = np.zeros(y.shape[:2])
-    sizes = np.unique(count).tolist()
-    for size in sizes:  # rows of one sample count pair alike: slices
-        rows = slice(None) if len(sizes) == 1 else np.flatnonzero(count == size)
+    at = (order + width * np.arange(rows)[:, None]).reshape(-1)
+    ordered = np.empty((1 + series, rows, width))  # batch and times in batch order
+    np.take(b.reshape(-1), at, out=ordered[0].reshape(-1))
+    np.take(y.reshape(series, -1), at, axis=1, out=ordered[1:].reshape(series, -1))
+    slope = np.zeros((series, rows))
+    sizes, members = np.unique(count, return_counts=True)
+    commonest = sizes[np.argsort(-members, kind="stable")].tolist()
+    for size in commonest:
+        # the commonest sample count pairs every row, the others are paired again alone (a
+        # copy of the commonest rows cost more than pairing a few rows twice)
+        same = slice(None) if size == commonest[0] else np.flatnonzero(count == size)
         half = (size + 1) // 2
         offsets = [h for h in range(half - _PAIR_SHIFT, half + _PAIR_SHIFT + 1) if 1 <= h < size]
         if not offsets:
+            slope[:, same] = 0.0
             continue
-        bs, ys = b_sorted[rows], y_sorted[:, rows]
-        db = np.empty((bs.shape[0], sum(size - h for h in offsets)))
-        dy = np.empty((ys.shape[0], *db.shape))
-        at = 0
+        samples = ordered[:, same]
+        diffs = np.empty((*samples.shape[:2], sum(size - h for h in offsets)))
+        start = 0
         for h in offsets:  # the differences of samples h apart, side by side
-            np.subtract(bs[:, h:size], bs[:, : size - h], out=db[:, at:at + size - h])
-            np.subtract(ys[..., h:size], ys[..., : size - h], out=dy[..., at:at + size - h])
-            at += size - h
+            np.subtract(samples[..., h:size], samples[..., : size - h],
+                        out=diffs[..., start:start + size - h])
+            start += size - h
+        db, dy = diffs[0], diffs[1:]
         pair = db != 0
         with np.errstate(invalid="ignore"):  # 0/NaN: no pair (equal batches), sorted last
             np.copyto(db, np.nan, where=~pair)
             slopes = np.divide(dy, db, out=dy)
         count_pairs = pair.sum(axis=-1)
         slopes.sort(axis=-1)
-        slope[:, rows] = np.where(count_pairs > 0, _median_of_sorted(slopes, count_pairs), 0.0)
+        slope[:, same] = np.where(count_pairs > 0, _median_of_sorted(slopes, count_pairs), 0.0)
     return slope
 
 
