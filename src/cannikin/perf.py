@@ -864,11 +864,10 @@ def _stacked_anchors(fitters: Sequence[NodeFitter], b: FloatArray, valid: BoolAr
     """Every fitter's anchor rows, padded to one width, and which of them join its fit:
     those at a batch size its window does not hold."""
     rows = [f.anchor_rows() for f in fitters]
-    anchors = np.zeros((len(rows), max(len(r) for r in rows), 4))
-    present = np.zeros(anchors.shape[:2], dtype=bool)
-    for row, candidates in enumerate(rows):
-        anchors[row, : len(candidates)] = candidates
-        present[row, : len(candidates)] = True
+    lengths = np.array([len(r) for r in rows])
+    present = np.arange(lengths.max()) < lengths[:, None]
+    anchors = np.zeros((*present.shape, 4))
+    anchors[present] = np.concatenate(rows)  # row by row, each padded after its own
     held = ((anchors[:, :, None, 0] == b[:, None, :]) & valid[:, None, :]).any(axis=2)
     return anchors, present & ~held
 
