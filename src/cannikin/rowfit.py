@@ -329,19 +329,28 @@ def change_points(log_ratio: FloatArray, valid: BoolArray, cfg: FitConfig,
         x = np.clip(log_ratio, (centre - reach)[:, None], (centre + reach)[:, None])
         np.copyto(x, 0.0, where=~valid)
         sums = np.cumsum(x, axis=1)
-        squares = np.cumsum(np.square(x, out=x), axis=1)
-        s1, s2 = sums[:, splits], squares[:, splits]
+        s1 = sums[:, splits]
         mean_a = s1 / before
         mean_b = (sums[:, -1:] - s1) / after
-        within = (s2 - before * mean_a**2) + (squares[:, -1:] - s2 - after * mean_b**2)
-        sd = np.sqrt(np.maximum(within, 0.0) / (count[:, None] - 2)) + SCALE_FLOOR
         shift = np.abs(mean_b - mean_a)
+        # only rows with a shift large enough to count can have a change point: their
+        # standard errors alone are needed (a few rows, unless the timing noise is large)
+        large = (after >= segment) & large_shift(shift, cfg.drift_min_change)
+        some = np.flatnonzero(large.any(axis=1))
+        x, after, mean_a, mean_b, shift = x[some], after[some], mean_a[some], mean_b[some], shift[
+            some]
+        squares = np.cumsum(np.square(x, out=x), axis=1)
+        s2 = squares[:, splits]
+        within = (s2 - before * mean_a**2) + (squares[:, -1:] - s2 - after * mean_b**2)
+        sd = np.sqrt(np.maximum(within, 0.0) / (count[some, None] - 2)) + SCALE_FLOOR
         standard_error = sd * np.sqrt(1.0 / before + 1.0 / after)
         z = shift / standard_error
-    candidates = (after >= segment) & lasting_shift(shift, standard_error, cfg.drift_min_change,
-                                                    cfg.drift_sigmas)
+    candidates = (after >= segment) & lasting_shift(shift, standard_error,
+                                                    cfg.drift_min_change, cfg.drift_sigmas)
     best = np.argmax(np.where(candidates, z, 0.0), axis=1)
-    return np.where(candidates.any(axis=1), segment + best, 0)
+    found = np.zeros(rows, dtype=np.intp)
+    found[some] = np.where(candidates.any(axis=1), segment + best, 0)
+    return found
 
 
 def lasting_shift(shift: FloatArray, standard_error: FloatArray, min_change: float,
@@ -350,5 +359,12 @@ def lasting_shift(shift: FloatArray, standard_error: FloatArray, min_change: flo
     act on: larger than a relative change of ``min_change`` and than ``sigmas`` of its
     standard errors. Both drift detectors apply it, to different statistics
     (:func:`change_points`, ``Planner._check_drift``)."""
-    lasting: BoolArray = (shift > math.log1p(min_change)) & (shift > sigmas * standard_error)
+    lasting: BoolArray = large_shift(shift, min_change) & (shift > sigmas * standard_error)
     return lasting
+
+
+def large_shift(shift: FloatArray, min_change: float) -> BoolArray:
+    """The first half of :func:`lasting_shift`: the shift is a relative change of more than
+    ``min_change``, whatever the noise (a cheap test before the standard error's)."""
+    large: BoolArray = shift > math.log1p(min_change)
+    return large
