@@ -779,17 +779,17 @@ def fit_nodes(fitters: Sequence[NodeFitter], names: Sequence[str],
     return models
 
 
-def _windows(fitters: Sequence[NodeFitter]) -> tuple[FloatArray, FloatArray, FloatArray,
-                                                     BoolArray]:
+def _windows(fitters: Sequence[NodeFitter]) -> tuple[FloatArray, FloatArray, BoolArray]:
     """The windows of fitters with one window length, oldest sample first: batch, forward
-    and backward times (0 past a window's count) and which are samples."""
+    and backward times (stacked, as the line fit takes them; 0 past a window's count) and
+    which are samples."""
     width = fitters[0].window
     data = np.empty((3, len(fitters), width))
     for row, fitter in enumerate(fitters):
         data[:, row] = fitter._ring[:, fitter._start:fitter._start + width]
     count = np.array([f._count for f in fitters])
     valid = np.arange(width)[None, :] < count[:, None]
-    return data[0], data[1], data[2], valid
+    return data[0], data[1:], valid
 
 
 def _log_ratio(lines: FloatArray, b: FloatArray, total: FloatArray) -> FloatArray:
@@ -805,12 +805,12 @@ def _refit(fitters: Sequence[NodeFitter], keys: Sequence[tuple[str, int, int | N
     """The models of fitters that share a window length and a config. ``detect``: look for
     a change of speed (and if one is found forget the older samples and fit again)."""
     first = fitters[0]
-    b, fwd, bwd, valid = _windows(fitters)
+    b, times, valid = _windows(fitters)
     anchors, anchored = _stacked_anchors(fitters, b, valid)
     # an anchor's batch size is one the window does not hold: either makes two sizes
     shaped = has_two_values(b, valid) | anchored.any(axis=1)
-    params = _params(fitters, shaped, b, fwd, bwd, valid, anchors, anchored)
-    log_ratio = _log_ratio(params, b, fwd + bwd)
+    params = _params(fitters, shaped, b, times, valid, anchors, anchored)
+    log_ratio = _log_ratio(params, b, times[0] + times[1])
     spread = robust_spread(log_ratio, valid)
     shift = change_points(log_ratio, valid, first.config, spread) if detect else (
         np.zeros(len(fitters), dtype=np.intp))
@@ -873,9 +873,11 @@ def _stacked_anchors(fitters: Sequence[NodeFitter], b: FloatArray, valid: BoolAr
 
 
 def _params(fitters: Sequence[NodeFitter], two_sizes: BoolArray, b: FloatArray,
-            fwd: FloatArray, bwd: FloatArray, valid: BoolArray, anchors: FloatArray,
-            anchored: BoolArray) -> FloatArray:
-    """Rows ``(f0, f1, k0, k1)``, NaN for a fitter without a non-zero batch: robust lines
+            times: FloatArray, valid: BoolArray, anchors: FloatArray, anchored: BoolArray) -> (
+    FloatArray
+):
+    """Rows ``(f0, f1, k0, k1)`` from the windows' batches and (forward, backward) times,
+    NaN for a fitter without a non-zero batch: robust lines
     where the window and the anchors hold two batch sizes (``two_sizes``), else a level's
     medians through the last two-size fit's shape (or proportional to the batch)."""
     cfg = fitters[0].config
@@ -883,14 +885,13 @@ def _params(fitters: Sequence[NodeFitter], two_sizes: BoolArray, b: FloatArray,
     lines = slice(None) if two_sizes.all() else np.flatnonzero(two_sizes)
     if two_sizes.any():
         intercept, slope = robust_lines(
-            cfg, b[lines], np.stack([fwd[lines], bwd[lines]]), valid[lines],
+            cfg, b[lines], times[:, lines], valid[lines],
             anchors[lines, :, 0], np.stack([anchors[lines, :, 1], anchors[lines, :, 2]]),
             anchors[lines, :, 3], anchored[lines])
         params[lines] = np.stack([intercept[0], slope[0], intercept[1], slope[1]], axis=1)
     levels = np.flatnonzero(~two_sizes)
     if levels.size:
-        fwd_level, bwd_level = masked_median(np.stack([fwd[levels], bwd[levels]]),
-                                             valid[levels]).tolist()
+        fwd_level, bwd_level = masked_median(times[:, levels], valid[levels]).tolist()
         for row, fwd_at, bwd_at in zip(levels.tolist(), fwd_level, bwd_level, strict=True):
             at, shape = float(b[row, 0]), fitters[row]._shape
             if shape is not None:
