@@ -10,7 +10,7 @@ Torch-free.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -353,18 +353,29 @@ def change_points(log_ratio: FloatArray, valid: BoolArray, cfg: FitConfig,
     return found
 
 
+@overload
+def lasting_shift(shift: float, standard_error: float, min_change: float,
+                  sigmas: float) -> bool: ...
+@overload
 def lasting_shift(shift: FloatArray, standard_error: FloatArray, min_change: float,
-                  sigmas: float) -> BoolArray:
+                  sigmas: float) -> BoolArray: ...
+def lasting_shift(shift: float | FloatArray, standard_error: float | FloatArray,
+                  min_change: float, sigmas: float) -> bool | BoolArray:
     """Whether a shift of log(measured / predicted) compute time is a change of speed to
-    act on: larger than a relative change of ``min_change`` and than ``sigmas`` of its
-    standard errors. Both drift detectors apply it, to different statistics
-    (:func:`change_points`, ``Planner._check_drift``)."""
-    lasting: BoolArray = large_shift(shift, min_change) & (shift > sigmas * standard_error)
-    return lasting
+    act on: a relative change of more than ``min_change`` (:func:`large_shift`), and more
+    than ``sigmas`` of its standard errors. The one rule of both drift detectors, each
+    with its own statistic and constants: :func:`change_points` (the fitter: where in
+    its window the speed changed, :class:`cannikin.perf.FitConfig`) and the planner's
+    drift check (whether the latest steps left the model in force,
+    :class:`cannikin.runtime.planner.PlannerConfig`)."""
+    return large_shift(shift, min_change) & (shift > sigmas * standard_error)
 
 
-def large_shift(shift: FloatArray, min_change: float) -> BoolArray:
+@overload
+def large_shift(shift: float, min_change: float) -> bool: ...
+@overload
+def large_shift(shift: FloatArray, min_change: float) -> BoolArray: ...
+def large_shift(shift: float | FloatArray, min_change: float) -> bool | BoolArray:
     """The first half of :func:`lasting_shift`: the shift is a relative change of more than
     ``min_change``, whatever the noise (a cheap test before the standard error's)."""
-    large: BoolArray = shift > math.log1p(min_change)
-    return large
+    return shift > math.log1p(min_change)
