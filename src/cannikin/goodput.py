@@ -235,7 +235,8 @@ def choose_even_batch_size(
     the highest goodput when every total is split evenly (as far as the workers' caps
     allow, :func:`~cannikin.optperf.share_split`), so the step time is the even split's,
     not OptPerf's. ``current`` and ``min_gain`` as in :func:`choose_batch_size`. Every
-    total is evaluated: O(n (max_batch - init_batch)) time and memory.
+    total T in the range is evaluated: O(n T) time and memory with every worker uncapped,
+    and a water-filling share per total (O(n) per capped worker filled) with caps.
     """
     phi = _check_noise_scale(noise_scale)
     _check_batch_range(init_batch, max_batch)
@@ -248,7 +249,7 @@ def choose_even_batch_size(
         raise ValueError(f"no total batch in [init_batch={init_batch}, max_batch={max_batch}] "
                          f"fits the workers' bounds [{floor}, {room}]")
     totals = np.arange(lo, hi + 1)
-    if None in caps:  # uncapped: b_i = B // n, the first B % n one more
+    if all(c is None for c in caps):  # b_i = B // n, the first B % n one more
         splits = totals[None, :] // n + (np.arange(n)[:, None] < totals[None, :] % n)
     else:
         splits = np.array([share_split(int(t), np.ones(n), caps) for t in totals]).T
