@@ -2,8 +2,10 @@
 
 A re-plan refits every worker; at n = 1024 a per-worker loop of small numpy calls cost
 ~0.55 ms each. Here each statistic is one numpy call over a (workers, samples) array,
-with a mask for the rows' different sample counts: a worker's fit
-(:class:`cannikin.perf.NodeFitter`) is a batch of one, so the rule exists once.
+with a mask for the rows' different sample counts (inside, a missing sample is NaN: a
+sort puts it last and the arithmetic carries it, with no masked copies): a worker's fit
+(:class:`cannikin.perf.NodeFitter`) is a batch of one, so the rule exists once. The rule
+that a shift of speed is real, :func:`lasting_shift`, is the planner's too.
 Torch-free.
 """
 
