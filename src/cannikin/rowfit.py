@@ -30,9 +30,11 @@ _TINY = float(np.finfo(np.float64).tiny)
 _PAIR_SHIFT = 2
 # Most values in one (series, workers, points) array of the line fit, which fits its rows
 # in blocks of at most this many: at n = 1024 (2 series, 65 points) one block took
-# 16.5 ms, two of 512 rows (~1 MB arrays, which stay in a core's 2 MB cache) 11.9 ms,
-# three 12.4 ms, eight 15.0 ms (thread CPU time on this project's 2-core machine).
-_BLOCK_VALUES = 1 << 17
+# 16.5 ms, two of 512 rows 11.9 ms, three 12.4 ms, eight 15.0 ms alone (thread CPU time on
+# this project's 2-core machine, whose cores have 2 MB of cache each). Within
+# bench_planner's whole run three blocks (~0.35 MB arrays) made half the page faults of
+# two and re-planned 1.5-2 ms faster.
+_BLOCK_VALUES = 1 << 16
 
 
 def masked_median(x: FloatArray, mask: BoolArray) -> FloatArray:
