@@ -6,8 +6,8 @@ Cost: ``optimal_split`` per call at n = 16, 256, 1024 workers (2 buckets), with 
 cluster's arrays cached (the planner re-splitting one model) and from a fresh
 ``ClusterModel`` (a new model after a re-fit); ``choose_batch_size`` per call at n = 16
 and 1024; time and peak memory of the straggler clusters of issue 17 at n = 1024; a full
-re-plan at n = 1024 (every worker refitted at once by ``perf.fit_nodes``, then
-``choose_batch_size``). Quality
+re-plan at n = 1024 (every worker refitted at once by ``perf.fit_nodes``, then a fresh
+``ClusterModel`` and ``choose_batch_size``). Quality
 over random clusters: the integer split's step time against the LP
 lower bound of §2 (solved independently by scipy's HiGHS) and against the even and
 throughput-proportional splits. Timings on a shared machine are noisy: the best of
@@ -146,36 +146,34 @@ def filled_fitters(rng: np.random.Generator, n: int) -> tuple[list[NodeFitter],
     return fitters, step
 
 
-def bench_replan(rng: np.random.Generator) -> None:
-    """A full re-plan on every rank after a step: refit every worker, choose the total."""
+def bench_replan(rng: np.random.Generator, repeat: int = 10) -> None:
+    """A full re-plan on every rank after a step: refit every worker, build the cluster
+    model (its arrays included) and choose the total; the best of ``repeat`` (the figures
+    move by +-20% between runs on a shared machine)."""
     n = 1024
     fitters, step = filled_fitters(rng, n)
     comm = CommModel(buckets=[(0.5, 0.01), (1.0, 0.01)])
     names = [f"w{i}" for i in range(n)]
 
-    def refit() -> list[NodeModel | None]:
-        step()  # untimed in the figures below: each worker's new sample
+    def replan() -> tuple[float, float]:
+        step()  # untimed: each worker's new sample
         start = time.perf_counter()
         nodes = fit_nodes(fitters, names, [1] * n, [None] * n)
-        refit_s.append(time.perf_counter() - start)
-        return nodes
-
-    def replan() -> object:
-        nodes = refit()
+        refitted = time.perf_counter()
         cluster = ClusterModel(nodes=[nd for nd in nodes if nd is not None], comm=comm)
-        return choose_batch_size(cluster, 1e4, 16 * n, 128 * n)
+        choose_batch_size(cluster, 1e4, 16 * n, 128 * n)
+        return refitted - start, time.perf_counter() - refitted
 
-    refit_s: list[float] = []
-    for _ in range(3):
-        refit()
-    fit_ms = min(refit_s) * 1e3
-    _, mb, _ = time_and_memory(replan)
-    cluster = ClusterModel(nodes=[nd for nd in refit() if nd is not None], comm=comm)
-    choose_ms, _, _ = time_and_memory(lambda: choose_batch_size(cluster, 1e4, 16 * n, 128 * n))
-    print(f"re-plan at n = {n}: refit of every worker {fit_ms:.1f} ms "
-          f"({fit_ms / n * 1e3:.0f} us each) + choose_batch_size {choose_ms:.1f} ms = "
-          f"{fit_ms + choose_ms:.1f} ms, peak {mb:.2f} MB; an unchanged worker's refit is "
-          f"its cached fit")
+    times = np.array([replan() for _ in range(repeat)]) * 1e3
+    fit_ms, choose_ms = times.min(axis=0)
+    tracemalloc.start()
+    replan()
+    mb = tracemalloc.get_traced_memory()[1] / 2**20
+    tracemalloc.stop()
+    print(f"re-plan at n = {n}, best of {repeat}: refit of every worker {fit_ms:.1f} ms "
+          f"({fit_ms / n * 1e3:.0f} us each) + cluster and choose_batch_size {choose_ms:.1f} "
+          f"ms; whole re-plan {times.sum(axis=1).min():.1f} ms, peak {mb:.2f} MB; an "
+          f"unchanged worker's refit is its cached fit")
 
 
 def per_call_ms(fn: object, number: int, repeat: int = 7) -> tuple[float, float]:

@@ -8,9 +8,13 @@ import heapq
 import math
 
 import numpy as np
+import numpy.typing as npt
 from scipy.optimize import linprog
 
-from cannikin.perf import ClusterModel
+from cannikin.perf import ClusterModel, FitConfig
+from cannikin.rowfit import SCALE_FLOOR
+
+FloatArray = npt.NDArray[np.float64]
 
 GNS_MONTE_CARLO_CASES = [
     (100, [8, 80], 2000.0),
@@ -62,3 +66,79 @@ def greedy_hand_out(cluster: ClusterModel, base: list[int], remaining: int) -> l
         if result[i] + 1 <= arr.hi[i]:
             heapq.heappush(heap, (finish(i, result[i] + 1), i))
     return result
+
+
+def robust_line_of(cfg: FitConfig, b: FloatArray, y: FloatArray, anchors: FloatArray) -> (
+    tuple[float, float]
+):
+    """One worker's line ``y = intercept + slope*b`` as ``cannikin.rowfit.robust_lines``
+    fits it, for one row alone, with np.median and plain sums: the reference for its
+    vectorised code. ``b``, ``y``: the window's samples in time order; ``anchors``: rows
+    (batch, time, weight)."""
+    a_b, a_y, a_w = anchors[:, 0], anchors[:, 1], anchors[:, 2]
+    b_all, y_all = np.concatenate([b, a_b]), np.concatenate([y, a_y])
+    positive = b_all > 0
+    proportional = float(np.median(y_all[positive] / b_all[positive]))
+    order = np.argsort(b, kind="stable")
+    bs, ys, n = b[order], y[order], len(b)
+    half = (n + 1) // 2
+    pairs = [(ys[i + h] - ys[i]) / (bs[i + h] - bs[i])
+             for h in range(half - 2, half + 3) if 1 <= h < n
+             for i in range(n - h) if bs[i + h] != bs[i]]
+    slope = float(np.median(pairs)) if pairs else 0.0
+    intercept = math.nan
+    exact = SCALE_FLOOR * float(np.abs(y).sum()) / max(n, 1)
+    for _ in range(2):
+        residual = y - slope * b
+        centre = np.median(residual)
+        scale = 1.4826 * np.median(np.abs(residual - centre)) + exact + np.finfo(float).tiny
+        inlier = np.abs(residual - centre) <= cfg.outlier_sigmas * scale
+        used_b = np.concatenate([b[inlier], a_b])
+        used_y = np.concatenate([y[inlier], a_y])
+        weight = np.concatenate([np.ones(int(inlier.sum())), a_w])
+        if np.unique(used_b).size >= 2:
+            slope, intercept = _shrunk_line(used_b, used_y, weight, proportional,
+                                            cfg.slope_prior_sd)
+    if math.isnan(intercept):
+        intercept = float(np.median(y - slope * b))
+    if intercept < 0:
+        slope, intercept = float(used_b @ used_y / (used_b @ used_b)), 0.0
+    floor = cfg.min_slope_fraction * proportional
+    if slope < floor:
+        slope, intercept = floor, max(0.0, float(np.median(used_y - floor * used_b)))
+    return intercept, slope
+
+
+def _shrunk_line(b: FloatArray, y: FloatArray, weight: FloatArray, prior: float,
+                 prior_sd: float) -> tuple[float, float]:
+    """(slope, intercept) by weighted least squares, the slope's ridge toward ``prior``
+    weighed by the residual variance over the prior's ((prior_sd * prior)^2)."""
+    total = weight.sum()
+    b_mean, y_mean = (weight * b).sum() / total, (weight * y).sum() / total
+    sxx = (weight * (b - b_mean) ** 2).sum()
+    sxy = (weight * (b - b_mean) * (y - y_mean)).sum()
+    residual = (y - y_mean) - sxy / sxx * (b - b_mean)
+    noise_var = (weight * residual**2).sum() / max(total - 2, 1.0)
+    prior_var = (prior_sd * prior) ** 2
+    ridge = noise_var / prior_var if prior_var > 0 else 0.0
+    slope = (sxy + ridge * prior) / (sxx + ridge)
+    return float(slope), float(y_mean - slope * b_mean)
+
+
+def change_point_of(cfg: FitConfig, log_ratio: FloatArray) -> int:
+    """Where ``cannikin.rowfit.change_points`` puts one row's change point (0: none), by a
+    loop over the splits with two-pass variances: the reference for its running sums."""
+    centre = np.median(log_ratio)
+    reach = max(cfg.outlier_sigmas * 1.4826 * np.median(np.abs(log_ratio - centre)),
+                cfg.drift_clip)
+    x = np.clip(log_ratio, centre - reach, centre + reach)
+    n, best, best_z = len(x), 0, 0.0
+    for k in range(cfg.drift_min_segment, n - cfg.drift_min_segment + 1):
+        before, after = x[:k], x[k:]
+        shift = abs(after.mean() - before.mean())
+        within = ((before - before.mean()) ** 2).sum() + ((after - after.mean()) ** 2).sum()
+        error = (math.sqrt(within / (n - 2)) + SCALE_FLOOR) * math.sqrt(1 / k + 1 / (n - k))
+        lasting = shift > math.log1p(cfg.drift_min_change) and shift > cfg.drift_sigmas * error
+        if lasting and shift / error > best_z:
+            best, best_z = k, shift / error
+    return best

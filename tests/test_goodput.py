@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from cannikin.goodput import choose_batch_size, efficiency
+from cannikin.goodput import choose_batch_size, choose_even_batch_size, efficiency
 from cannikin.optperf import optimal_split
 from cannikin.perf import ClusterModel, CommModel, NodeModel
 from test_optperf import random_cluster
@@ -164,3 +164,13 @@ def test_large_cluster_beats_sampled_totals() -> None:
         other = int(total) * efficiency(int(total), lo, 5000.0) / optimal_split(
             cluster, int(total)).step_time
         assert choice.goodput >= other * (1 - 1e-12)
+
+
+def test_even_choice_keeps_a_cap_among_uncapped_workers() -> None:
+    """AdaptDL's policy with one worker capped (a cap lowered after an out-of-memory) and
+    one not: each total is shared as evenly as the cap allows, never above it (the even
+    split of every worker was taken as soon as one was uncapped: (20, 20) over a cap of 4)."""
+    line = ((0.01, 1e-3), (0.02, 2e-3))
+    cluster = ClusterModel(nodes=[NodeModel(*line, max_batch=4), NodeModel(*line)])
+    choice = choose_even_batch_size(cluster, 1e6, 4, 40)
+    assert choice.total_batch == 40 and choice.plan.local_batches == (4, 36)

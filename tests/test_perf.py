@@ -9,16 +9,19 @@ import math
 import numpy as np
 import pytest
 
+from cannikin import rowfit
 from cannikin.perf import (
     ClusterModel,
     CommFitter,
     CommModel,
+    FitConfig,
     NodeFitter,
     NodeModel,
     PredictionTracker,
     expected_max,
     fit_nodes,
 )
+from references import change_point_of, robust_line_of
 
 
 def timeline_step_time(cluster: ClusterModel, local_batches: list[int]) -> float:
@@ -499,3 +502,78 @@ def test_a_refit_without_new_samples_is_the_last_fit() -> None:
         assert twice.fit(name="v", max_batch=50) == dataclasses.replace(first, name="v",
                                                                          max_batch=50)
     assert twice.num_samples < 64  # the speed change was found and the window cut
+
+
+def test_fitted_models_are_what_the_constructor_builds() -> None:
+    """fit_nodes builds most models from a checked one (no checks per model): each must
+    equal NodeModel's own construction, and bounds NodeModel refuses are still refused,
+    whichever worker first carries them."""
+    rng = np.random.default_rng(5)
+    fitters = [NodeFitter() for _ in range(8)]
+    for fitter in fitters:
+        for b, f, k in samples(rng, 20, noise=0.1):
+            fitter.add(b, f, k)
+    names = [f"w{i}" for i in range(8)]
+    lows, highs = [1, 2, 1, 1, 2, 1, 1, 1], [None, 64, None, 64, 64, None, 80, None]
+    models = fit_nodes(fitters, names, lows, highs)
+    for model, name, low, high in zip(models, names, lows, highs, strict=True):
+        assert model is not None
+        assert model == NodeModel(fwd=model.fwd, bwd=model.bwd, name=name, min_batch=low,
+                                  max_batch=high, noise=model.noise)
+        assert type(model.min_batch) is int and model.micro_batch is None
+    for bad_low in (1.0, True):
+        for fitter, b in zip(fitters, (8, 16), strict=False):
+            fitter.add(b, 0.02, 0.04)  # a new sample: refitted
+        with pytest.raises(ValueError, match=f"node 'w1': min_batch={bad_low}"):
+            fit_nodes(fitters[:2], names[:2], [1, bad_low], [None, None])  # type: ignore[list-item]
+
+
+def random_windows(rng: np.random.Generator, rows: int, width: int = 64) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray]:
+    """Windows as the fitters hold them (batch, fwd, bwd; zeros past each row's count):
+    few or many batch sizes, zero batches, 10x stragglers, a speed change in some rows."""
+    b, y = np.zeros((rows, width)), np.zeros((2, rows, width))
+    valid = np.arange(width) < rng.integers(2, width + 1, rows)[:, None]
+    for row in range(rows):
+        count = int(valid[row].sum())
+        sizes = np.array([[16, 17], [8, 24, 32, 48], list(range(65))][row % 3], dtype=float)
+        batch = rng.choice(sizes, count)
+        batch[:2] = sizes[:2]  # two sizes at least
+        speed = np.where(np.arange(count) < rng.integers(count // 2, count + 1), 1.0,
+                         rng.choice([0.5, 2.0]))
+        noise = rng.lognormal(0.0, rng.choice([0.0, 0.05, 0.25]), count)
+        noise *= np.where(rng.random(count) < 0.1, 10.0, 1.0)
+        b[row, :count] = batch
+        y[0, row, :count] = speed * noise * (0.01 + 0.001 * batch)
+        y[1, row, :count] = speed * noise * (0.02 + 0.002 * batch)
+    return b, y, valid
+
+
+@pytest.mark.parametrize("block_values", [rowfit._BLOCK_VALUES, 700])
+def test_vectorised_line_fits_match_the_per_row_reference(
+        block_values: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rowfit.robust_lines over many rows (fitted in blocks) against the one-row-at-a-time
+    reference, and change_points against a loop over the splits: random windows with
+    stragglers, speed changes, zero batches, missing samples and anchors."""
+    monkeypatch.setattr(rowfit, "_BLOCK_VALUES", block_values)
+    rng = np.random.default_rng(11)
+    cfg = FitConfig()
+    b, y, valid = random_windows(rng, 90)
+    anchor_count = rng.integers(0, 4, len(b))
+    a_valid = np.arange(3) < anchor_count[:, None]
+    a_b = np.where(a_valid, rng.choice([4.0, 64.0, 96.0], (len(b), 3)), 0.0)
+    a_y = np.where(a_valid, np.stack([0.01 + 0.001 * a_b, 0.02 + 0.002 * a_b]), 0.0)
+    a_w = np.where(a_valid, rng.uniform(1, 6, (len(b), 3)), 0.0)
+    intercept, slope = rowfit.robust_lines(cfg, b, y, valid, a_b, a_y, a_w, a_valid)
+    for row in range(len(b)):
+        for series in range(2):
+            anchors = np.stack([a_b[row], a_y[series, row], a_w[row]], axis=1)[a_valid[row]]
+            expected = robust_line_of(cfg, b[row, valid[row]], y[series, row, valid[row]],
+                                      anchors)
+            assert (intercept[series, row], slope[series, row]) == pytest.approx(
+                expected, rel=1e-9, abs=1e-15), (row, series)
+    log_ratio = np.log(y[0] / (0.01 + 0.001 * b), out=np.zeros_like(b), where=valid)
+    found = rowfit.change_points(log_ratio, valid, cfg, rowfit.robust_spread(log_ratio, valid))
+    expected_points = [change_point_of(cfg, log_ratio[row, valid[row]]) for row in range(len(b))]
+    assert found.tolist() == expected_points
+    assert sum(p > 0 for p in expected_points) >= 10  # the test has speed changes to find

@@ -10,9 +10,12 @@ piece ``T = p + q*B`` the goodput ``~ B / ((phi + B)(p + q*B))`` peaks at
 the integer maximiser must reach; since integer step times are never below the
 continuous ones, the maximiser lies where the continuous goodput reaches it too (a
 quadratic inequality per piece), and every integer total there is evaluated exactly
-with one sort (:meth:`~cannikin.optperf.Splitter.step_times`). Cost O(n m log(n m)) for
-the curve, a few integer splits, and O((R + n) log(R + n)) time and O(R + n) memory for
-the R totals in that range, which is narrow except on very flat goodput curves (R is
+with one sort (:meth:`~cannikin.optperf.Splitter.step_times`). With R rows of
+:class:`~cannikin.perf.ClusterArrays` (one per worker, or per number of passes where a
+worker accumulates) and m' binding buckets, the cost is O(R m' log(R m')) for the curve,
+at most five integer splits (two seeds, the first total of the scan, the best, the
+current one; a total is split once), and O((L + R) log(L + R)) time and O(L + R) memory
+for the L totals in that range, which is narrow except on very flat goodput curves (L is
 capped at ``MAX_SCAN``); stragglers do not widen it.
 """
 
@@ -71,7 +74,9 @@ def efficiency(total_batch: float, init_batch: float, noise_scale: float) -> flo
     """Statistical efficiency ``(phi + B0) / (phi + B)`` of ``total_batch`` vs ``init_batch``.
 
     1.0 at ``B = B0``; per-sample progress relative to training at B0 (AdaScale gain over
-    scale). ``noise_scale`` is in per-sample units (``tr(Sigma) / |G|^2``).
+    scale). ``noise_scale`` is in per-sample units (``tr(Sigma) / |G|^2``). It lies between
+    ``B0/B`` (no noise) and 1 (pure noise) either way: below 1 for ``B > B0``, above for
+    ``B < B0`` (an epoch's final partial batch).
     """
     phi = _check_noise_scale(noise_scale)
     for name, value in (("total_batch", total_batch), ("init_batch", init_batch)):
@@ -235,7 +240,8 @@ def choose_even_batch_size(
     the highest goodput when every total is split evenly (as far as the workers' caps
     allow, :func:`~cannikin.optperf.share_split`), so the step time is the even split's,
     not OptPerf's. ``current`` and ``min_gain`` as in :func:`choose_batch_size`. Every
-    total is evaluated: O(n (max_batch - init_batch)) time and memory.
+    total T in the range is evaluated: O(n T) time and memory with every worker uncapped,
+    and a water-filling share per total (O(n) per capped worker filled) with caps.
     """
     phi = _check_noise_scale(noise_scale)
     _check_batch_range(init_batch, max_batch)
@@ -248,7 +254,7 @@ def choose_even_batch_size(
         raise ValueError(f"no total batch in [init_batch={init_batch}, max_batch={max_batch}] "
                          f"fits the workers' bounds [{floor}, {room}]")
     totals = np.arange(lo, hi + 1)
-    if None in caps:  # uncapped: b_i = B // n, the first B % n one more
+    if all(c is None for c in caps):  # b_i = B // n, the first B % n one more
         splits = totals[None, :] // n + (np.arange(n)[:, None] < totals[None, :] % n)
     else:
         splits = np.array([share_split(int(t), np.ones(n), caps) for t in totals]).T

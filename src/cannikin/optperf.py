@@ -129,7 +129,9 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
     Worker i's kinks are at ``tau_i(lo_i)``, ``tau_i(hi_i)`` and ``tau_i`` where two
     consecutive binding buckets' lines cross inside ``(lo_i, hi_i)``. Between its own
     kinks its supply is linear, so its slope changes only there; the sweep adds up those
-    changes in time order and integrates. O(n m' log(n m')) for m' binding buckets.
+    changes in time order and integrates. O(R m' log(R m')) for R rows of
+    :class:`~cannikin.perf.ClusterArrays` (one per worker, or per number of passes where a
+    worker accumulates micro-batches) and m' binding buckets.
     """
     n, m = arr.slopes.shape
     lo_t = _times(arr, arr.lo)
@@ -192,7 +194,8 @@ def _curve(arr: ClusterArrays, bp: _Breakpoints) -> StepTimeCurve:
 
 
 def step_time_curve(cluster: ClusterModel) -> StepTimeCurve:
-    """``T*(B)``, the continuous optimum, for every feasible B at once (O(n m log(n m)))."""
+    """``T*(B)``, the continuous optimum, for every feasible B at once: O(R m' log(R m'))
+    for R rows and m' binding buckets (:func:`_breakpoints`)."""
     arr = checked_arrays(cluster)
     return _curve(arr, _breakpoints(arr))
 
@@ -269,9 +272,10 @@ def _cheapest(arr: ClusterArrays, base: IntArray, count: int) -> tuple[IntArray,
     memory however many samples a fast worker could finish by then: a bisection on the time
     ``t`` finds one by which at least ``count`` and at most ``count + n`` samples finish
     (no worker counts more than ``count``); those alone are listed and sorted. Costs
-    O(n m) per bisection step (usually none to a few, 16 for issue 17's straggler split;
-    at most the ~60-100 halvings down to adjacent floats) plus O((count + n) log(count +
-    n)). The total must fit the caps (``sum(hi - base) >= count``).
+    O(R m') per bisection step for R rows and m' binding buckets (none in issue 17's
+    straggler choices of ``benchmarks/bench_planner.py``, 15 for its straggler split; at
+    most the ~60-100 halvings down to adjacent floats) plus O((count + R) log(count + R)).
+    The total must fit the caps (``sum(hi - base) >= count``).
     """
     if count <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
@@ -325,7 +329,7 @@ def _integer_split(arr: ClusterArrays, bp: _Breakpoints, total_batch: int) -> Pl
     rows = arr.row_amounts(base.astype(np.float64)).astype(np.int64)
     local = arr.worker_totals(_hand_out(arr, rows, total_batch - int(base.sum())))
     step = float(np.max(arr.worker_times(local)))
-    return Plan(local_batches=tuple(int(v) for v in local), step_time=step)
+    return Plan(local_batches=tuple(local.astype(np.int64).tolist()), step_time=step)
 
 
 def optimal_split(cluster: ClusterModel, total_batch: int) -> Plan:
@@ -348,20 +352,27 @@ class Splitter:
         self._arr = checked_arrays(cluster)
         self._bp = _breakpoints(self._arr)
         self.curve = _curve(self._arr, self._bp)
+        self._plans: dict[int, Plan] = {}
 
     def split(self, total_batch: int) -> Plan:
-        """Same result as ``optimal_split(self.cluster, total_batch)``."""
+        """Same result as ``optimal_split(self.cluster, total_batch)``, each total split once
+        (the goodput choice splits its best total again, often a seed's: ~1 ms at n = 1024)."""
         _check_total(self._arr, total_batch)
-        return _integer_split(self._arr, self._bp, int(total_batch))
+        plan = self._plans.get(int(total_batch))
+        if plan is None:
+            plan = self._plans[int(total_batch)] = _integer_split(self._arr, self._bp,
+                                                                   int(total_batch))
+        return plan
 
     def step_times(self, first: int, last: int) -> FloatArray:
         """The optimal integer step time of every total in ``[first, last]``, exactly.
 
         From the optimal split of ``first`` (all its samples finish by ``T1``), the
         optimum of ``first + k`` is ``max(T1, c_k)`` with ``c_k`` the k-th smallest
-        finishing time among the samples not yet handed out (:func:`_cheapest`), for the
-        whole range in O((last - first + n) log(last - first + n)) time (plus a few O(n m)
-        bisection steps) and O(last - first + n) memory.
+        finishing time among the samples not yet handed out (:func:`_cheapest`). With
+        L = last - first, R rows and m' binding buckets: the split of ``first`` and then
+        O((L + R) log(L + R)) time and O(L + R) memory, plus O(R m') per bisection step
+        (see :func:`_cheapest`), however fast a worker is.
         """
         _check_total(self._arr, first)
         _check_total(self._arr, last)
@@ -385,16 +396,16 @@ def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False,
     returned as it is. With ``min_batch <= 1`` everywhere the result is exact (it is the
     optimum over ``[0, max_batch]``); with larger minima (a non-convex set), workers the
     zero-floored optimum gives fewer than their minimum get 0 and the rest are split again
-    until none is short (never worse than :func:`optimal_split`; exact in 99% of the
-    enumerated cases of ``tests/test_optperf.py``). The workers given 0 are left out of
-    the split of the rest, so when one's fixed time sets the step the others are still
-    balanced among themselves (by the max of the means any split under it would do, and
-    a stale model of the idle worker then left the others at 1.24x their best). Compares
-    predicted step times (:meth:`ClusterModel.step_time`), or with ``expected`` the
-    expected ones of noisy workers (:meth:`ClusterModel.expected_step_time`: a worker at a
-    few samples still adds its noise to the step's maximum). A total below the sum of the
-    minima is split with zeros. ``optimal``: ``optimal_split(cluster, total_batch)`` where
-    the caller has it already (a re-plan does).
+    until none is short (never worse than :func:`optimal_split`; exact in 343 of the 354
+    enumerated cases with minimum 2 of ``tests/test_optperf.py``). The workers given 0 are
+    left out of the split of the rest, so when one's fixed time sets the step the others
+    are still balanced among themselves (by the max of the means any split under it would
+    do, and a stale model of the idle worker then left the others at 1.24x their best).
+    Compares predicted step times (:meth:`ClusterModel.step_time`), or with ``expected``
+    the expected ones of noisy workers (:meth:`ClusterModel.expected_step_time`: a worker
+    at a few samples still adds its noise to the step's maximum). A total below the sum of
+    the minima is split with zeros. ``optimal``: ``optimal_split(cluster, total_batch)``
+    where the caller has it already (a re-plan does).
     """
     nodes = cluster.nodes
     plan = None
@@ -522,8 +533,9 @@ def share_split(total_batch: int, weights: npt.ArrayLike,
     simulator's policies): a worker whose share would pass its cap (``None``: uncapped)
     is pinned there and the rest shared again among the others (water-filling); shares are
     rounded by largest remainder, ties to the lower rank. Weights are floored at 1e-12 so
-    a zero weight still gets its minimum. ValueError unless ``minimum * n <= total_batch
-    <= sum(caps)``.
+    a zero weight still gets its minimum; a cap below ``minimum`` wins over it. O(n) per
+    round of pinning, at most one round per capped worker. ValueError unless ``minimum * n
+    <= total_batch <= sum(caps)``.
     """
     w = np.maximum(np.asarray(weights, dtype=np.float64), 1e-12)
     n = w.size
@@ -567,7 +579,8 @@ def proportional_split(
     """The LB-BSP-style baseline: shares proportional to each worker's throughput.
 
     ``throughput`` (samples/s, one per node) defaults to each node's modelled throughput
-    at the even share, ``(B/n) / tau_i(B/n)``. Caps are not enforced.
+    at the even share (at least one sample), ``(B/n) / tau_i(B/n)``. Caps are not
+    enforced.
     """
     n = cluster.size
     if not _is_int(total_batch) or total_batch < 0:

@@ -42,6 +42,7 @@ from cannikin.perf import (
     fit_nodes,
     micro_batches,
 )
+from cannikin.rowfit import large_shift, lasting_shift
 
 logger = logging.getLogger(__name__)
 
@@ -309,12 +310,23 @@ class PlannerConfig:
     """A worker whose compute time is off its model by more than :attr:`drift_change` in
     the median of this many consecutive steps triggers a re-plan at once (single
     stragglers do not), provided the shift is also :attr:`drift_sigmas` standard errors of
-    that median. (The fitter's own change-point test, :class:`~cannikin.perf.NodeFitter`,
-    then decides which samples to forget.)"""
+    that median: :func:`cannikin.rowfit.lasting_shift`, the rule of the fitter's
+    change-point test too (:class:`~cannikin.perf.FitConfig`), which then decides at the
+    re-plan which samples to forget. The two ask different questions and keep their own
+    statistics and constants: this one whether the latest steps left the model *in force*
+    (a median against 0, once per step, with the noise of successive differences over
+    re-fits), the fitter's where in its window the speed changed (the largest of ~57
+    two-sample z statistics). The fitter's test in place of this one was tried and
+    reverted: it re-planned spuriously on CPU-quota workers."""
     drift_change: float = 0.3
-    """Relative shift of that median that counts as drift."""
+    """Relative shift of that median that counts as drift: twice the fitter's
+    ``drift_min_change``, since a re-plan out of turn costs a refit and resets the cadence,
+    worth it only for a change that moves the split."""
     drift_sigmas: float = 3.0
-    """Standard errors of that median the shift must also exceed."""
+    """Standard errors of that median the shift must also exceed. Lower than the fitter's
+    ``drift_sigmas`` (5): one median is tested, not a maximum over splits. With log-noise
+    0.25-0.5 (5% 10x stragglers) 3 gives ~3 false re-plans per 1000 steps and sees a 2x
+    change after a median of 4-10 steps; 5 would take 6.5-42 (simulated rule)."""
     drift_noise_history: int = 32
     """Per worker, this many last log(measured / predicted) values estimate the timing noise
     for that standard error. On a busy shared CPU the noise reaches ~0.5 in log terms, and
@@ -708,10 +720,11 @@ class Planner:
             if len(recent) < cfg.drift_steps or self._drifted is not None:
                 continue
             shift = abs(_median(recent))
-            if shift <= math.log1p(cfg.drift_change):
-                continue
+            if not large_shift(shift, cfg.drift_change):
+                continue  # too small whatever the noise: no noise estimate needed
             # standard error of a median of n: 1.2533 sigma / sqrt(n)
-            if shift > cfg.drift_sigmas * 1.2533 * _noise_sd(history) / math.sqrt(len(recent)):
+            error = 1.2533 * _noise_sd(history) / math.sqrt(len(recent))
+            if lasting_shift(shift, error, cfg.drift_change, cfg.drift_sigmas):
                 self._drifted = rank
 
     def _add_comm(self, active: Sequence[StepReport]) -> None:
