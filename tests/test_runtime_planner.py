@@ -140,7 +140,11 @@ def test_a_pinned_split_holds_is_measured_and_released_to_a_replan() -> None:
     assert all(30 in f.batch_sizes() for f in planner.fitters)  # the model learns from it
     planner.pin(220, None)
     assert planner.due(220)
-    planned = planner.replan(220).local_batches
+    planner.pin(221, np.array([20, 30, 40]))  # numpy integers, as plain ints
+    assert planner.local_batches == (20, 30, 40)
+    assert all(type(b) is int for b in planner.local_batches)
+    planner.pin(222, None)
+    planned = planner.replan(222).local_batches
     assert cluster.step_time(list(planned)) < 0.8 * cluster.step_time([30, 30, 30])
 
 

@@ -26,7 +26,7 @@ without an active exception``) after the training finished. Two things did that:
 ``.then`` callback on the collective's future (the worker thread completes the child future
 DDP waits on *before* it destroys the callback), and the ``contextvars.Context`` that torch
 keeps in the backward's thread-local state, which every collective launched from the
-backward copies into its work (:func:`_backward_context_unstashed`). So the hook launches
+backward copies into its work (:func:`_all_reduce_unstashed`). So the hook launches
 its all-reduces without that context and hands DDP a future of its own, which a
 :class:`_Finisher` thread completes (a plain non-daemon Python thread, which the
 interpreter joins before it finalises) on a step that measures the reduced gradient, and
@@ -35,12 +35,11 @@ the last bucket's hook completes on any other step (:func:`_complete_at_last_buc
 
 # No `from __future__ import annotations`: DDP checks the hook signature at run time.
 
-import contextlib
 import math
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,17 +148,20 @@ class CommState:
             rows, encoded = self.rows_tail, self.rows_tail.dtype == torch.float32
         device = next((t.device for t in (rows, *(p for g in groups for p in g))
                        if t is not None), torch.device("cpu"))
-        flat = [_total(group, device) for group in groups]
-        if rows is not None:
-            flat.append(rows.to(device=device, dtype=torch.float64))
-        host = torch.cat([t.reshape(-1) for t in flat]).cpu().numpy() if flat else np.zeros(0)
-        totals, tail = host[:len(groups)], host[len(groups):]
+        sums = [_total(group, device) for group in groups]
+        if device.type == "cpu":  # nothing to transfer: read in place
+            totals = [float(t) for t in sums]
+            tail = None if rows is None else rows.numpy()
+        else:
+            flat = sums if rows is None else [*sums, rows.to(dtype=torch.float64)]
+            host = torch.cat([t.reshape(-1) for t in flat]).cpu().numpy()
+            totals, tail = host[:len(groups)].tolist(), host[len(groups):]
         readout = StepReadout()
-        if rows is not None and self.rows is not None:
+        if tail is not None and self.rows is not None:
             summed = decode_rows(tail.astype(np.float32)) if encoded else tail.copy()
             readout.rows = summed.reshape(self.rows.shape)
         if norms:
-            local, global_, *passes = totals.tolist()
+            local, global_, *passes = totals
             readout.local_sqnorm = local * self.sqnorm_scale ** 2
             readout.global_sqnorm = global_ if measured else None
             readout.pass_sqnorms = tuple(passes)
@@ -234,21 +236,31 @@ class StepReadout:
     pass_sqnorms: tuple[float, ...] = ()
 
 
-def encode_rows(rows: np.ndarray, dtype: torch.dtype) -> np.ndarray | None:
-    """float64 ``rows`` as a flat array that a bucket of ``dtype`` can carry and whose sum
-    over ranks decodes to their sum, or None when ``dtype`` cannot carry them. A sum of
-    zeros and one rank's value is exact in any dtype, so the float32 (hi, lo) split loses
-    only lo's rounding; a value beyond float32's range travels as NaN. numpy, not torch:
-    a few hundred values, where torch's per-op cost dominates."""
-    flat = rows.reshape(-1)
+def encoded_size(rows: np.ndarray, dtype: torch.dtype) -> int | None:
+    """Elements :func:`encode_rows` needs in a bucket of ``dtype``, or None when ``dtype``
+    cannot carry float64 ``rows`` (fp16, bf16, integers)."""
     if dtype == torch.float64:
-        return flat
-    if dtype != torch.float32:
-        return None
+        return rows.size
+    return 2 * rows.size if dtype == torch.float32 else None
+
+
+def encode_rows(rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Write float64 ``rows`` into ``out`` (:func:`encoded_size` elements of the bucket's
+    dtype) so that the sum of every rank's ``out`` decodes to the sum of their rows; return
+    ``out``. A sum of zeros and one rank's value is exact in any dtype, so the float32
+    (hi, lo) split loses only lo's rounding; a value beyond float32's range travels as NaN.
+    numpy, written in place: a few hundred values, where torch's per-op cost and a fresh
+    array would dominate."""
+    flat = rows.reshape(-1)
+    if out.dtype == np.float64:
+        out[:] = flat
+        return out
     if not np.abs(flat).max(initial=0.0) <= _FLOAT32_MAX:
         flat = np.where(np.abs(flat) <= _FLOAT32_MAX, flat, np.nan)
-    hi = flat.astype(np.float32)
-    return np.concatenate([hi, (flat - hi).astype(np.float32)])
+    hi, lo = out[:flat.size], out[flat.size:]
+    hi[:] = flat
+    np.subtract(flat, hi, out=lo, casting="same_kind")
+    return out
 
 
 def decode_rows(encoded: np.ndarray) -> np.ndarray:
@@ -278,22 +290,20 @@ def weighted_allreduce_hook(
     state.done.append(None)
     state.sizes.append(buffer.numel())
     rows = state.rows if slot == state.carrier_slot else None
-    payload = None if rows is None else encode_rows(rows, buffer.dtype)
+    extra = None if rows is None else encoded_size(rows, buffer.dtype)
     size = buffer.numel()
-    if payload is None:
+    if extra is None:
         send = _scaled(buffer, state.weight, out=buffer)
     else:
-        send = state.carrier_for(buffer, payload.size)
+        send = state.carrier_for(buffer, extra)
         _scaled(buffer, state.weight, out=send[:size])
-        send[size:].copy_(_from_host(payload, send.device), non_blocking=True)
-    with _backward_context_unstashed():
-        work = dist.all_reduce(send, group=state.group, async_op=True)
-        if rows is not None and payload is None:
-            alone = _from_host(rows, buffer.device).to(buffer.device, non_blocking=True)
-            state.rows_alone = (alone, dist.all_reduce(alone, group=state.group,
-                                                       async_op=True))
+        _write_rows(rows, send[size:])
+    work = _all_reduce_unstashed(send, state.group)
+    if rows is not None and extra is None:
+        alone = _from_host(rows, buffer.device).to(buffer.device, non_blocking=True)
+        state.rows_alone = (alone, _all_reduce_unstashed(alone, state.group))
     reduction = _Reduction(slot=slot, bucket=bucket, sent=send, size=size,
-                           carries_rows=payload is not None, measured=state.capture_sqnorm,
+                           carries_rows=extra is not None, measured=state.capture_sqnorm,
                            work=work)
     if not reduction.measured:
         return _complete_at_last_bucket(state, reduction, bucket.is_last())
@@ -439,24 +449,39 @@ _BACKWARD_CONTEXT = "context"
 the thread-local state for the whole backward (torch 2.13 does; older ones may not)."""
 
 
-@contextlib.contextmanager
-def _backward_context_unstashed() -> Iterator[None]:
-    """Launch a collective without the Python object torch keeps in the backward's
-    thread-local state. A collective copies the launching thread's thread-local state
-    into its work; the backend thread that destroys the finished work then drops that
-    Python object, which takes the GIL: after interpreter finalisation has begun, that
-    ends the backend thread inside a noexcept destructor and aborts the process (seen
-    here in 5 of 40 workers that exited right after a backward, on torch 2.13)."""
-    if not (hasattr(torch._C, "_is_key_in_tls")
-            and torch._C._is_key_in_tls(_BACKWARD_CONTEXT)):
-        yield
-        return
+_STASHES_CONTEXT = hasattr(torch._C, "_is_key_in_tls")
+
+
+def _all_reduce_unstashed(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
+    """Launch an async sum all-reduce of ``tensor`` without the Python object torch keeps
+    in the backward's thread-local state. A collective copies the launching thread's
+    thread-local state into its work; the backend thread that destroys the finished work
+    then drops that Python object, which takes the GIL: after interpreter finalisation has
+    begun, that ends the backend thread inside a noexcept destructor and aborts the process
+    (seen here in 5 of 40 workers that exited right after a backward, on torch 2.13). A
+    plain function, not a context manager: it runs once per bucket on the slowest worker's
+    critical path."""
+    if not (_STASHES_CONTEXT and torch._C._is_key_in_tls(_BACKWARD_CONTEXT)):
+        return dist.all_reduce(tensor, group=group, async_op=True)
     context = torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
     torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT)
     try:
-        yield
+        return dist.all_reduce(tensor, group=group, async_op=True)
     finally:
         torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)
+
+
+def _write_rows(rows: np.ndarray, tail: torch.Tensor) -> None:
+    """Encode ``rows`` into ``tail`` (the carrier's last elements): in place on the host;
+    on a GPU through pinned memory (torch's caching host allocator keeps the block until
+    the copy is done), since a copy from pageable memory makes the host wait for the
+    stream, mid-backward."""
+    if tail.device.type == "cpu":
+        encode_rows(rows, tail.numpy())
+        return
+    staging = torch.empty(tail.shape, dtype=tail.dtype, pin_memory=True)
+    encode_rows(rows, staging.numpy())
+    tail.copy_(staging, non_blocking=True)
 
 
 def _from_host(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -397,7 +398,7 @@ class HeteroDataParallel(nn.Module):
         return Plan(local_batches=record.local_batches,
                     step_time=math.nan if pred is None else pred)
 
-    def pin_split(self, split: Sequence[int] | None) -> None:
+    def pin_split(self, split: Sequence[int] | npt.NDArray[np.integer] | None) -> None:
         """Train with ``split`` (one local batch per rank, their sum the total batch) from
         the next step on, without re-planning, until ``pin_split(None)`` hands the split
         back to the planner. Every rank must pin the same split at the same step (the

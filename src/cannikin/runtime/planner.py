@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size, choose_even_batch_size
@@ -38,6 +39,7 @@ from cannikin.perf import (
     NodeFitter,
     NodeModel,
     PredictionTracker,
+    _is_int,
     even_passes,
     fit_nodes,
     micro_batches,
@@ -606,7 +608,7 @@ class Planner:
         """Whether to re-plan after step ``step`` (0-based)."""
         return not self.pinned and (step >= self._next_replan or self._drifted is not None)
 
-    def pin(self, step: int, split: Sequence[int] | None) -> None:
+    def pin(self, step: int, split: Sequence[int] | npt.NDArray[np.integer] | None) -> None:
         """Hold ``split`` from step ``step`` on, with no re-plan, probe or trial, until
         ``pin(step, None)`` re-plans at once (every rank must pin the same). For a split
         chosen outside: a user's own, a benchmark's fixed ones. The pinned steps are
@@ -618,11 +620,11 @@ class Planner:
                 self._next_replan = step
             return
         n = self.config.world_size
-        batches = tuple(split)
-        if len(batches) != n or not all(isinstance(b, int) and not isinstance(b, bool)
-                                        and b >= 0 for b in batches) or sum(batches) < 1:
+        given = tuple(split)
+        if len(given) != n or not all(_is_int(b) and b >= 0 for b in given) or sum(given) < 1:
             raise ValueError(f"a pinned split needs {n} local batches, whole numbers >= 0 "
-                             f"with a positive sum, got {list(batches)}")
+                             f"with a positive sum, got {list(given)}")
+        batches = tuple(int(b) for b in given)  # numpy integers too, as plain ints
         for rank, batch in enumerate(batches):
             cap = self.config.cap_of(rank)
             if cap is not None and batch > cap:
