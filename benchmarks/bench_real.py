@@ -215,6 +215,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             "cannikin_final": list(hdp.plan.local_batches), "cannikin_warm": list(cannikin_split),
             "errors": errors, "plans": len(hdp.plan_history), "model_s": model_s,
             "cpu_ms": cpu_ms, "slowest_s": slowest_s,
+            "costly": [[w.rank, w.cost_s, w.speedup] for w in hdp.plan_history[-1].costly],
             "tracker_window": tracker.median_window_error(),
             "tracker_step": tracker.median_step_error(),
         }))
@@ -287,6 +288,9 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
     warm, final = result["cannikin_warm"], result["cannikin_final"]
     moved = "" if warm == final else f" (after the warm-up: {'/'.join(map(str, warm))})"
     print(f"\nCannikin's split {'/'.join(map(str, final))}{moved}, {result['plans']} plans")
+    print("workers its last plan reports as slowing the step at 0 samples: " + (", ".join(
+        f"rank {rank} ({1e3 * cost:.1f} ms per step, predicted {speedup:.2f}x faster without "
+        "it)" for rank, cost, speedup in result["costly"]) or "none"))
     errors = result["errors"]
     if errors:
         error = statistics.median(abs(p - m) / m for p, m in errors)
