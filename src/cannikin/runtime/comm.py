@@ -292,7 +292,7 @@ def weighted_allreduce_hook(
     rows = state.rows if slot == state.carrier_slot else None
     extra = None if rows is None else encoded_size(rows, buffer.dtype)
     size = buffer.numel()
-    if extra is None:
+    if rows is None or extra is None:
         send = _scaled(buffer, state.weight, out=buffer)
     else:
         send = state.carrier_for(buffer, extra)
@@ -461,12 +461,15 @@ def _all_reduce_unstashed(tensor: torch.Tensor, group: dist.ProcessGroup | None)
     (seen here in 5 of 40 workers that exited right after a backward, on torch 2.13). A
     plain function, not a context manager: it runs once per bucket on the slowest worker's
     critical path."""
+    work: dist.Work
     if not (_STASHES_CONTEXT and torch._C._is_key_in_tls(_BACKWARD_CONTEXT)):
-        return dist.all_reduce(tensor, group=group, async_op=True)
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        return work
     context = torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
     torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT)
     try:
-        return dist.all_reduce(tensor, group=group, async_op=True)
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        return work
     finally:
         torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)
 
