@@ -793,9 +793,8 @@ def _windows(fitters: Sequence[NodeFitter]) -> tuple[FloatArray, FloatArray, Boo
     and backward times (stacked, as the line fit takes them; 0 past a window's count) and
     which are samples."""
     width = fitters[0].window
-    data = np.empty((3, len(fitters), width))
-    for row, fitter in enumerate(fitters):
-        data[:, row] = fitter._ring[:, fitter._start:fitter._start + width]
+    data = np.concatenate([f._ring[:, f._start:f._start + width] for f in fitters],
+                          axis=1).reshape(3, len(fitters), width)  # a row at a time: 1.4x
     count = np.array([f._count for f in fitters])
     valid = np.arange(width)[None, :] < count[:, None]
     return data[0], data[1:], valid
