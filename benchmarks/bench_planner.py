@@ -156,7 +156,7 @@ def bench_replan(rng: np.random.Generator, repeat: int = 10) -> None:
     training process frees activations every step. glibc returns the top of its heap to
     the system once more than twice its largest freed large block lies free there, and
     takes fresh (faulting) pages back at the next re-plan: in a numpy-only process that
-    is 0 or ~900-3000 faults (2-5 ms) a re-plan depending on what ran before, after one
+    is 0 to ~3800 faults (up to ~5 ms) a re-plan depending on what ran before, after one
     16 MB free 0 (also after ``import torch`` and one tensor freed). Reusing a buffer for
     the windows did not help: it made 3000 faults of 900 in two of three runs.
     """
