@@ -17,6 +17,7 @@ several repeats is reported next to the median.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -149,31 +150,49 @@ def filled_fitters(rng: np.random.Generator, n: int) -> tuple[list[NodeFitter],
 def bench_replan(rng: np.random.Generator, repeat: int = 10) -> None:
     """A full re-plan on every rank after a step: refit every worker, build the cluster
     model (its arrays included) and choose the total; the best of ``repeat`` (the figures
-    move by +-20% between runs on a shared machine)."""
+    move by +-20% between runs on a shared machine), with the page faults per re-plan.
+
+    Timed twice: in this process as it is, then after freeing one 16 MB array, as a
+    training process frees activations every step. glibc returns the top of its heap to
+    the system once more than twice its largest freed large block lies free there, and
+    takes fresh (faulting) pages back at the next re-plan: in a numpy-only process that
+    is 0 to ~3800 faults (up to ~5 ms) a re-plan depending on what ran before, after one
+    16 MB free 0 (also after ``import torch`` and one tensor freed). Reusing a buffer for
+    the windows did not help: it made 3000 faults of 900 in two of three runs.
+    """
     n = 1024
     fitters, step = filled_fitters(rng, n)
     comm = CommModel(buckets=[(0.5, 0.01), (1.0, 0.01)])
     names = [f"w{i}" for i in range(n)]
 
-    def replan() -> tuple[float, float]:
+    def replan() -> tuple[float, float, int]:
         step()  # untimed: each worker's new sample
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         nodes = fit_nodes(fitters, names, [1] * n, [None] * n)
         refitted = time.perf_counter()
         cluster = ClusterModel(nodes=[nd for nd in nodes if nd is not None], comm=comm)
         choose_batch_size(cluster, 1e4, 16 * n, 128 * n)
-        return refitted - start, time.perf_counter() - refitted
+        end = time.perf_counter()
+        return (refitted - start, end - refitted,
+                resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
-    times = np.array([replan() for _ in range(repeat)]) * 1e3
-    fit_ms, choose_ms = times.min(axis=0)
-    tracemalloc.start()
-    replan()
-    mb = tracemalloc.get_traced_memory()[1] / 2**20
-    tracemalloc.stop()
-    print(f"re-plan at n = {n}, best of {repeat}: refit of every worker {fit_ms:.1f} ms "
-          f"({fit_ms / n * 1e3:.0f} us each) + cluster and choose_batch_size {choose_ms:.1f} "
-          f"ms; whole re-plan {times.sum(axis=1).min():.1f} ms, peak {mb:.2f} MB; an "
-          f"unchanged worker's refit is its cached fit")
+    for state in ("as it is", "after a 16 MB free"):
+        if state != "as it is":
+            freed = np.ones(2 << 20)
+            del freed
+        runs = np.array([replan() for _ in range(repeat)])
+        fit_ms, choose_ms = runs[:, :2].min(axis=0) * 1e3
+        whole_ms = runs[:, :2].sum(axis=1).min() * 1e3
+        tracemalloc.start()
+        replan()
+        mb = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+        print(f"re-plan at n = {n}, best of {repeat}, process {state}: refit of every worker "
+              f"{fit_ms:.1f} ms ({fit_ms / n * 1e3:.0f} us each) + cluster and "
+              f"choose_batch_size {choose_ms:.1f} ms; whole re-plan {whole_ms:.1f} ms, peak "
+              f"{mb:.2f} MB, {np.median(runs[:, 2]):.0f} page faults (median); an unchanged "
+              "worker's refit is its cached fit")
 
 
 def per_call_ms(fn: object, number: int, repeat: int = 7) -> tuple[float, float]:

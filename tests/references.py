@@ -142,3 +142,40 @@ def change_point_of(cfg: FitConfig, log_ratio: FloatArray) -> int:
         if lasting and shift / error > best_z:
             best, best_z = k, shift / error
     return best
+
+
+def per_sample_sqnorms(
+    rng: np.random.Generator,
+    g: FloatArray,
+    chol: FloatArray,
+    batches: list[int],
+    trials: int,
+    t_dof: float | None = None,
+) -> tuple[FloatArray, FloatArray]:
+    """|g_i|^2 and |g|^2 built from explicit per-sample gradients with covariance chol chol'.
+
+    With ``t_dof`` the per-sample gradients are multivariate t (one heavy-tailed scale per
+    sample, rescaled so the covariance is still chol chol').
+    """
+    total = sum(batches)
+    noise = rng.standard_normal((trials, total, g.size)) @ chol.T
+    if t_dof is not None:
+        noise *= np.sqrt((t_dof - 2) / rng.chisquare(t_dof, (trials, total, 1)))
+    samples = g + noise
+    bounds = np.cumsum([0, *batches])
+    local = np.stack([samples[:, lo:hi].mean(axis=1) for lo, hi in
+                      zip(bounds[:-1], bounds[1:], strict=True)], axis=1)
+    glob = samples.mean(axis=1)
+    return np.einsum("tid,tid->ti", local, local), np.einsum("td,td->t", glob, glob)
+
+
+def full_covariance_truth(rng: np.random.Generator, d: int, noise_scale: float) -> (
+    tuple[FloatArray, FloatArray]
+):
+    """A random G and full Sigma (a random rotation of uneven variances) with
+    tr(Sigma) / |G|^2 = noise_scale."""
+    rot, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    cov = rot @ np.diag(rng.uniform(0.2, 2.0, d)) @ rot.T
+    g = rng.standard_normal(d)
+    g *= math.sqrt(np.trace(cov) / noise_scale) / np.linalg.norm(g)
+    return g, cov

@@ -20,6 +20,7 @@ import pytest
 
 from cannikin import gns
 from references import GNS_MONTE_CARLO_CASES as CONFIGS
+from references import full_covariance_truth, per_sample_sqnorms
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,39 +218,6 @@ def test_estimate_is_the_weighted_per_worker_combination() -> None:
         sqr_i, var_i = gns.per_worker_estimates(x, b, y)
         w = gns.min_variance_weights(b, "var")
         assert gns.estimate(x, b, y) == pytest.approx((w @ sqr_i, w @ var_i), rel=1e-10)
-
-
-def per_sample_sqnorms(
-    rng: np.random.Generator,
-    g: np.ndarray,
-    chol: np.ndarray,
-    batches: list[int],
-    trials: int,
-    t_dof: float | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """|g_i|^2 and |g|^2 built from explicit per-sample gradients with covariance chol chol'.
-
-    With ``t_dof`` the per-sample gradients are multivariate t (one heavy-tailed scale per
-    sample, rescaled so the covariance is still chol chol').
-    """
-    total = sum(batches)
-    noise = rng.standard_normal((trials, total, g.size)) @ chol.T
-    if t_dof is not None:
-        noise *= np.sqrt((t_dof - 2) / rng.chisquare(t_dof, (trials, total, 1)))
-    samples = g + noise
-    bounds = np.cumsum([0, *batches])
-    local = np.stack([samples[:, lo:hi].mean(axis=1) for lo, hi in
-                      zip(bounds[:-1], bounds[1:], strict=True)], axis=1)
-    glob = samples.mean(axis=1)
-    return np.einsum("tid,tid->ti", local, local), np.einsum("td,td->t", glob, glob)
-
-
-def full_covariance_truth(rng: np.random.Generator, d: int, noise_scale: float):
-    rot, _ = np.linalg.qr(rng.standard_normal((d, d)))
-    cov = rot @ np.diag(rng.uniform(0.2, 2.0, d)) @ rot.T
-    g = rng.standard_normal(d)
-    g *= math.sqrt(np.trace(cov) / noise_scale) / np.linalg.norm(g)
-    return g, cov
 
 
 def test_per_sample_gaussian_full_covariance() -> None:

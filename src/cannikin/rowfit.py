@@ -129,11 +129,8 @@ def _robust_lines_block(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: Boo
     anchored = np.broadcast_to(anchor_valid, (series, *anchor_valid.shape))
     anchor_weights = np.broadcast_to(np.where(anchor_valid, anchor_weight, 0.0),
                                      anchored.shape)
-    positive = np.concatenate([valid, anchor_valid], axis=-1) & (b_all > 0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        per_sample = y_all / np.where(positive, b_all, np.nan)
-    per_sample.sort(axis=-1)
-    proportional = _median_of_sorted(per_sample, positive.sum(axis=-1))
+    proportional = _median_per_sample(b_all, y_all, np.concatenate([valid, anchor_valid],
+                                                                   axis=-1))
     slope = _pair_slope(b_missing, y, count)
     # added to the robust scale so that exact (noise-free) samples are inliers
     magnitude = np.abs(y)
@@ -179,6 +176,17 @@ def _robust_lines_block(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: Boo
     return intercept, slope
 
 
+def _median_per_sample(b: FloatArray, y: FloatArray, valid: BoolArray) -> FloatArray:
+    """The median time per sample ``y / b`` of the valid points with ``b > 0``: the
+    proportional model's slope. A function of its own so that its (series, rows, points)
+    array is freed before the pair slopes take the most memory of the fit."""
+    positive = valid & (b > 0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_sample = y / np.where(positive, b, np.nan)
+    per_sample.sort(axis=-1)
+    return _median_of_sorted(per_sample, positive.sum(axis=-1))
+
+
 def _inlier_lines(b: FloatArray, y: FloatArray, inlier: BoolArray, anchored: BoolArray,
                   anchor_weight: FloatArray, prior_slope: FloatArray, prior_sd: float) -> (
     tuple[BoolArray, BoolArray, FloatArray, FloatArray]
@@ -212,13 +220,8 @@ def _pair_slope(b: FloatArray, y: FloatArray, count: IntArray) -> FloatArray:
     so, as for Theil-Sen, up to 29% of the samples can be stragglers at random before the
     median breaks, and the pairs span the row's batch range as its widest ones do. ``b``
     is NaN past each row's ``count`` samples."""
-    rows, width = b.shape
-    series = y.shape[0]
-    order = np.argsort(b, axis=-1, kind="stable")  # NaN last
-    at = (order + width * np.arange(rows)[:, None]).reshape(-1)
-    ordered = np.empty((1 + series, rows, width))  # batch and times in batch order
-    np.take(b.reshape(-1), at, out=ordered[0].reshape(-1))
-    np.take(y.reshape(series, -1), at, axis=1, out=ordered[1:].reshape(series, -1))
+    series, rows = y.shape[:2]
+    ordered = _in_batch_order(b, y)
     slope = np.zeros((series, rows))
     sizes, members = np.unique(count, return_counts=True)
     commonest = sizes[np.argsort(-members, kind="stable")].tolist()
@@ -247,6 +250,20 @@ def _pair_slope(b: FloatArray, y: FloatArray, count: IntArray) -> FloatArray:
         slopes.sort(axis=-1)
         slope[:, same] = np.where(count_pairs > 0, _median_of_sorted(slopes, count_pairs), 0.0)
     return slope
+
+
+def _in_batch_order(b: FloatArray, y: FloatArray) -> FloatArray:
+    """Each row's batch sizes and times sorted by batch size (NaN last), stacked: shape
+    (1 + series, rows, width). A function of its own so that its index arrays are freed
+    before the pairs take the most memory of the fit."""
+    rows, width = b.shape
+    series = y.shape[0]
+    order = np.argsort(b, axis=-1, kind="stable")
+    at = (order + width * np.arange(rows)[:, None]).reshape(-1)
+    ordered = np.empty((1 + series, rows, width))
+    np.take(b.reshape(-1), at, out=ordered[0].reshape(-1))
+    np.take(y.reshape(series, -1), at, axis=1, out=ordered[1:].reshape(series, -1))
+    return ordered
 
 
 def shrunk_lines(b: FloatArray, y: FloatArray, weight: FloatArray, prior_slope: FloatArray,
@@ -335,8 +352,10 @@ def change_points(log_ratio: FloatArray, valid: BoolArray, cfg: FitConfig,
         sums = np.cumsum(x, axis=1)
         s1 = sums[:, splits]
         mean_a = s1 / before
-        mean_b = (sums[:, -1:] - s1) / after
-        shift = np.abs(mean_b - mean_a)
+        mean_b = sums[:, -1:] - s1
+        mean_b /= after  # in place here and below: each (rows, splits) temporary is ~0.4 MB
+        shift = mean_b - mean_a
+        np.abs(shift, out=shift)
         # only rows with a shift large enough to count can have a change point: their
         # standard errors alone are needed (a few rows, unless the timing noise is large)
         large = (after >= segment) & large_shift(shift, cfg.drift_min_change)
