@@ -158,8 +158,14 @@ def test_a_pinned_split_holds_exactly_until_released(figures: dict[str, Any]) ->
     pin = figures["pinned_split"]
     assert pin["splits"][:8] == [pin["pinned"]] * 8  # two epochs of 4 steps
     assert pin["rel_err"] < 1e-5
-    assert pin["reasons"][:2] == ["start", "pinned"] and len(pin["reasons"]) > 2
-    assert pin["splits"][-1] != pin["pinned"]  # equal speeds: planned near even
+    history = pin["history"]
+    assert [reason for _, reason, _ in history[:2]] == ["start", "pinned"]
+    # released before step 8: re-planned after it, not on the backed-off cadence. Whether
+    # the split moves is the model's call (equal speeds, a tiny model: any split is as fast)
+    released = [reason for step, reason, _ in history if step == 8]
+    assert len(released) == 1 and released[0] != "pinned"  # "cadence", or a probe or drift
+    for step in range(9, len(pin["splits"])):  # a plan made after step s runs from s + 1
+        assert pin["splits"][step] == [b for s, _, b in history if s < step][-1]
 
 
 def _mean(values: list[float]) -> float:
