@@ -300,7 +300,8 @@ def weighted_allreduce_hook(
         _write_rows(rows, send[size:])
     work = _all_reduce_unstashed(send, state.group)
     if rows is not None and extra is None:
-        alone = _from_host(rows, buffer.device).to(buffer.device, non_blocking=True)
+        alone = _write_rows(rows, torch.empty(rows.size, dtype=torch.float64,
+                                              device=buffer.device))
         state.rows_alone = (alone, _all_reduce_unstashed(alone, state.group))
     reduction = _Reduction(slot=slot, bucket=bucket, sent=send, size=size,
                            carries_rows=extra is not None, measured=state.capture_sqnorm,
@@ -474,25 +475,17 @@ def _all_reduce_unstashed(tensor: torch.Tensor, group: dist.ProcessGroup | None)
         torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)
 
 
-def _write_rows(rows: np.ndarray, tail: torch.Tensor) -> None:
-    """Encode ``rows`` into ``tail`` (the carrier's last elements): in place on the host;
-    on a GPU through pinned memory (torch's caching host allocator keeps the block until
-    the copy is done), since a copy from pageable memory makes the host wait for the
-    stream, mid-backward."""
-    if tail.device.type == "cpu":
-        encode_rows(rows, tail.numpy())
-        return
-    staging = torch.empty(tail.shape, dtype=tail.dtype, pin_memory=True)
+def _write_rows(rows: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+    """Encode ``rows`` into ``out`` (the carrier's tail, or a float64 tensor of their own)
+    and return it: in place on the host; on a GPU through pinned memory (torch's caching
+    host allocator keeps the block until the copy is done), since a copy from pageable
+    memory makes the host wait for the stream, mid-backward."""
+    if out.device.type == "cpu":
+        encode_rows(rows, out.numpy())
+        return out
+    staging = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
     encode_rows(rows, staging.numpy())
-    tail.copy_(staging, non_blocking=True)
-
-
-def _from_host(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``array`` as a tensor to copy to ``device`` with ``non_blocking=True``: on a GPU in
-    pinned memory (torch's caching host allocator keeps the block until the copy is done),
-    since a copy from pageable memory makes the host wait for the stream, mid-backward."""
-    tensor = torch.from_numpy(array)
-    return tensor.pin_memory() if device.type == "cuda" else tensor
+    return out.copy_(staging, non_blocking=True)
 
 
 def _total(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
