@@ -499,3 +499,97 @@ def test_zero_split_by_expected_time_picks_the_candidate_with_the_smaller_expect
                 noisy.expected_step_time(list(c)) for c in candidates)
             differ += got != zero_split(noisy, total).local_batches
     print(f"the expected step time chose differently from the means in {differ} cases")
+
+
+FLAT = 1e-5
+"""A flat floor rises 1e-6 of its worker's time per sample in the model (perf.
+_FLOOR_SLOPE): at most this much at the small clusters' batches."""
+
+
+def with_cpu_floors(rng: np.random.Generator, cluster: ClusterModel) -> ClusterModel:
+    """Most workers get a CPU floor that binds over part of their range (some flat: the
+    same CPU at every batch), the others none."""
+    nodes = []
+    for node in cluster.nodes:
+        floor = None
+        if rng.random() < 0.75:
+            floor = (float(rng.uniform(0, 0.8)),
+                     0.0 if rng.random() < 0.2 else float(rng.uniform(0, 0.08)))
+        nodes.append(dataclasses.replace(node, cpu_floor=floor))
+    return ClusterModel(nodes=nodes, comm=cluster.comm)
+
+
+def floored_step_time(cluster: ClusterModel, split: tuple[int, ...]) -> float:
+    """Reference: the event replay of the step, or the longest CPU floor if longer."""
+    floors = [n.cpu_floor[0] + n.cpu_floor[1] * b
+              for n, b in zip(cluster.nodes, split, strict=True) if n.cpu_floor is not None]
+    return max([timeline_step_time(cluster, list(split)), *floors])
+
+
+def test_cpu_floors_match_brute_force_on_small_clusters() -> None:
+    rng = np.random.default_rng(11)
+    checked = floor_binds = 0
+    for _ in range(100):
+        cluster = with_cpu_floors(rng, random_cluster(rng, int(rng.integers(1, 4)),
+                                                      int(rng.integers(1, 4)), cap=10))
+        lo, hi = bounds(cluster, 14)
+        for total in range(lo, min(hi, 14) + 1):
+            ranges = [range(n.min_batch, (total if n.max_batch is None else n.max_batch) + 1)
+                      for n in cluster.nodes]
+            best = min(floored_step_time(cluster, s)
+                       for s in itertools.product(*ranges) if sum(s) == total)
+            plan = optimal_split(cluster, total)
+            assert sum(plan.local_batches) == total
+            assert plan.step_time == pytest.approx(best, rel=FLAT)
+            assert plan.step_time == pytest.approx(
+                floored_step_time(cluster, plan.local_batches), rel=FLAT)
+            floor_binds += plan.step_time > timeline_step_time(cluster, list(plan.local_batches))
+            checked += 1
+    print(f"optimal_split with CPU floors = brute force on {checked} cases, a floor sets "
+          f"the step in {floor_binds}")
+    assert checked > 400 and floor_binds > 100
+
+
+def test_cpu_floors_keep_the_curve_on_the_lp_bound() -> None:
+    """The breakpoints of T*(B) include every crossing of a floor with a bucket's line."""
+    rng = np.random.default_rng(12)
+    for _ in range(40):
+        n = int(rng.integers(1, 20))
+        cluster = with_cpu_floors(rng, random_cluster(rng, n, int(rng.integers(1, 5))))
+        curve = step_time_curve(cluster)
+        lo, hi = bounds(cluster, 10**6)
+        for total in np.linspace(lo, min(hi, lo + 40 * n), 9):
+            assert curve(float(total)) == pytest.approx(lp_bound(cluster, float(total)),
+                                                        rel=1e-7, abs=1e-9)
+
+
+def test_cpu_floors_with_zeros_match_brute_force() -> None:
+    rng = np.random.default_rng(13)
+    checked = zeros = 0
+    for _ in range(40):
+        cluster = with_cpu_floors(rng, fixed_cost_cluster(rng, int(rng.integers(2, 5)), 1))
+        for total in range(1, 11):
+            caps = [nd.max_batch for nd in cluster.nodes]
+            if None not in caps and sum(c for c in caps if c is not None) < total:
+                continue
+            ranges = [[0, *range(1, (total if n.max_batch is None else n.max_batch) + 1)]
+                      for n in cluster.nodes]
+            best = min(floored_step_time(cluster, s)
+                       for s in itertools.product(*ranges) if sum(s) == total)
+            plan = zero_split(cluster, total)
+            assert plan.step_time == pytest.approx(best, rel=FLAT)
+            zeros += 0 in plan.local_batches
+            checked += 1
+    assert checked > 250 and zeros > 50
+
+
+def test_a_cpu_floor_over_micro_batches_is_the_max_of_both() -> None:
+    """Where a worker accumulates, its time is its passes' or its floor's, the longer."""
+    plain = NodeModel(fwd=(0.01, 0.002), bwd=(0.02, 0.004), max_batch=40, micro_batch=12)
+    floored = dataclasses.replace(plain, cpu_floor=(0.15, 0.003))
+    comm = CommModel(buckets=[(0.5, 0.02), (1.0, 0.01)])
+    b = np.arange(0, 41, dtype=np.float64)
+    without = ClusterModel(nodes=[plain], comm=comm).node_times(b[None, :])[0]
+    with_floor = ClusterModel(nodes=[floored], comm=comm).node_times(b[None, :])[0]
+    np.testing.assert_allclose(with_floor, np.maximum(without, 0.15 + 0.003 * b), rtol=1e-12)
+    assert np.any(with_floor > without) and np.any(with_floor == without)

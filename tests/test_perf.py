@@ -415,6 +415,35 @@ def test_expected_step_time_matches_a_monte_carlo_of_noisy_compute() -> None:
     assert quiet.expected_step_time([30, 12, 6]) == quiet.step_time([30, 12, 6])
 
 
+def test_expected_step_time_with_cpu_floors_is_noisy_only_above_them() -> None:
+    """Reference: a Monte Carlo of each worker's time as its mean plus normal noise on
+    the smaller of its compute part and its time above its CPU floor. Worker 0 has no
+    floor, worker 1's floor is under its compute time, worker 2 sits on its floor."""
+    rng = np.random.default_rng(3)
+    comm = CommModel(buckets=[(0.3, 0.05), (1.0, 0.01)])
+    plain = [NodeModel(fwd=(0.01 * k, 0.001 * k), bwd=(0.02 * k, 0.002 * k), noise=0.25)
+             for k in (1.0, 2.0, 3.0)]
+    floors = [None, (0.08, 0.002), (0.15, 0.001)]
+    nodes = [dataclasses.replace(nd, cpu_floor=f) for nd, f in zip(plain, floors, strict=True)]
+    split = [30, 12, 6]
+    cluster = ClusterModel(nodes=nodes, comm=comm)
+    without = ClusterModel(nodes=plain, comm=comm)
+    arr = without.arrays
+    lines = arr.offsets + arr.slopes * np.array(split, dtype=float)[:, None]
+    j = np.argmax(lines, axis=1)
+    compute_time = lines[np.arange(3), j]
+    floor = np.array([0.0 if f is None else f[0] + f[1] * b for f, b in zip(floors, split,
+                                                                           strict=True)])
+    means = np.maximum(compute_time, floor)
+    noisy = np.minimum(compute_time - arr.comm_left[j], means - floor)
+    assert noisy[0] > 0 and 0 < noisy[1] < compute_time[1] - arr.comm_left[j[1]] and noisy[2] == 0
+    draws = (means + noisy * 0.25 * rng.standard_normal((400_000, 3))).max(axis=1)
+    se = float(draws.std()) / math.sqrt(draws.size)
+    got = cluster.expected_step_time(split)
+    assert abs(got - float(draws.mean())) < 4 * se, (got, float(draws.mean()))
+    np.testing.assert_allclose(cluster.node_times(split), means, rtol=1e-12)
+
+
 def test_fitted_noise_is_the_relative_timing_noise() -> None:
     rng = np.random.default_rng(2)
     fitter = NodeFitter()

@@ -87,6 +87,41 @@ def test_find_hierarchy_v1_nested_v2_and_none(tmp_path: Path) -> None:
         find_hierarchy(ro, own)
 
 
+def _quota_dir(path: Path, version: int, cores: float | None) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if version == 1:
+        (path / "cpu.cfs_period_us").write_text("100000\n")
+        quota = -1 if cores is None else int(cores * 100000)
+        (path / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+    else:
+        quota_text = "max" if cores is None else str(int(cores * 100000))
+        (path / "cpu.max").write_text(f"{quota_text} 100000\n")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_own_cpu_limit_is_the_tightest_quota_above_the_process(tmp_path: Path,
+                                                               version: int) -> None:
+    """A container's limit above a rank's group caps it; no quota anywhere: the affinity."""
+    root = tmp_path / "cg"
+    _quota_dir(root, version, None)
+    _quota_dir(root / "pod", version, 0.75)
+    _quota_dir(root / "pod" / "job", version, None)
+    _quota_dir(root / "pod" / "job" / "rank1", version, 0.25)
+    kind = "cgroup rw,relatime,cpu" if version == 1 else "cgroup2 rw,relatime"
+    mounts = _mounts(tmp_path, f"{kind.split()[0]} {root} {kind} 0 0")
+    own = tmp_path / "cgroup"
+    line = "1:cpu:" if version == 1 else "0::"
+    own.write_text(f"{line}/pod/job/rank1\n")
+    assert quota.own_cpu_limit(mounts, own) == 0.25
+    own.write_text(f"{line}/pod/job\n")
+    assert quota.own_cpu_limit(mounts, own) == 0.75
+    own.write_text(f"{line}/elsewhere\n")  # not under the mount (a namespace): its root
+    assert quota.own_cpu_limit(mounts, own) == quota.usable_cores()
+    _quota_dir(root, version, 0.5)
+    assert quota.own_cpu_limit(mounts, own) == 0.5
+    assert quota.own_cpu_limit(tmp_path / "missing", own) == quota.usable_cores()
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_groups_are_made_with_the_quotas_and_joined_by_rank(tmp_path: Path,
                                                             version: int) -> None:
@@ -166,3 +201,4 @@ def test_two_quota_workers_the_slower_is_measured_slower() -> None:
         (groups.path.name, f"rank{r}") for r in range(2)]
     fast, slow = report["compute_s"]
     assert slow > 1.5 * fast, report
+    assert report["cpu_limits"] == [1.0, 0.25]

@@ -248,11 +248,15 @@ def test_resume_with_another_world_size_plans_at_once_from_cached_models() -> No
 
 def test_report_vector_round_trip_and_bucket_merging() -> None:
     timing = StepReport(batch=7, sqnorm=2.5, fwd_s=0.1, bwd_s=0.2, step_s=0.4,
-                        ready_fractions=(0.5, 1.0), allreduce_s=(0.01, 0.02))
+                        ready_fractions=(0.5, 1.0), allreduce_s=(0.01, 0.02), cpu_s=0.03,
+                        cpu_cores=0.25)
     for report in (WorkerReport(batch=9, oom=True, previous=timing), WorkerReport(batch=0)):
         vector = report.to_vector()
         assert len(vector) == REPORT_SIZE
         assert WorkerReport.from_vector(vector) == report
+    saved_before_cpu = timing.to_vector()[:-2]  # a rank checkpoint of an older version
+    assert StepReport.from_vector(saved_before_cpu) == dataclasses.replace(
+        timing, cpu_s=0.0, cpu_cores=0.0)
     ready, comm = merge_buckets([i / 40 for i in range(1, 41)], [0.001] * 40, MAX_BUCKETS)
     assert len(ready) == MAX_BUCKETS and ready[-1] == 1.0
     assert sum(comm) == pytest.approx(0.04)

@@ -127,7 +127,8 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
     """Sort every worker's kinks of ``clip(beta_i)`` and sweep ``S(t)`` across them.
 
     Worker i's kinks are at ``tau_i(lo_i)``, ``tau_i(hi_i)`` and ``tau_i`` where two
-    consecutive binding buckets' lines cross inside ``(lo_i, hi_i)``. Between its own
+    consecutive binding buckets' lines cross inside ``(lo_i, hi_i)``, or a bucket's line
+    and the CPU floor's (a crossing below the envelope is one more point, harmless). Between its own
     kinks its supply is linear, so its slope changes only there; the sweep adds up those
     changes in time order and integrates. O(R m' log(R m')) for R rows of
     :class:`~cannikin.perf.ClusterArrays` (one per worker, or per number of passes where a
@@ -141,6 +142,8 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
     if m > 1:
         j = np.arange(m - 1)
         k = j + 1
+        if arr.floored:  # the last column, a CPU floor, may cross any bucket's line
+            j, k = np.append(j, np.arange(m - 2)), np.append(k, np.full(m - 2, m - 1))
         da = arr.slopes[:, j] - arr.slopes[:, k]
         with np.errstate(divide="ignore", invalid="ignore"):
             cross = (arr.offsets[:, k] - arr.offsets[:, j]) / da

@@ -160,7 +160,13 @@ class NodeModel:
     one pass, or ``micro_batch``'s rule). ``noise`` is the relative standard
     deviation of its compute time from step to step (0: deterministic): a step waits for
     the slowest worker *of that step*, so noise raises the expected step time above the
-    max of the means (:meth:`ClusterModel.expected_step_time`).
+    max of the means (:meth:`ClusterModel.expected_step_time`). ``cpu_floor=(c0, c1)``: the
+    shortest step its CPU allows, ``c0 + c1*b`` seconds at local batch b (None: not
+    bound). It is the worker's CPU seconds per step, every thread of it (compute, its
+    share of the all-reduce, the runtime), over the cores it may use (a cgroup quota, its
+    affinity). A worker held to a quarter of a core takes at least 4x its CPU per step
+    even at 0 samples, and when its quota runs out the all-reduce waits for it too; the
+    compute model alone does not see either (measured on CPU-quota workers).
     """
 
     fwd: tuple[float, float]
@@ -171,10 +177,14 @@ class NodeModel:
     noise: float = 0.0
     micro_batch: int | None = None
     fixed_passes: int | None = None
+    cpu_floor: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fwd", _check_line("fwd", self.fwd, self.name))
         object.__setattr__(self, "bwd", _check_line("bwd", self.bwd, self.name))
+        if self.cpu_floor is not None:
+            object.__setattr__(self, "cpu_floor",
+                               _check_line("cpu_floor", self.cpu_floor, self.name))
         if not _is_int(self.min_batch) or self.min_batch < 0:
             raise ValueError(
                 f"node {self.name!r}: min_batch={self.min_batch!r} must be an integer >= 0"
@@ -344,9 +354,9 @@ class ClusterModel:
         return ClusterArrays.of(self)
 
     def node_times(self, local_batches: npt.ArrayLike) -> FloatArray:
-        """Each worker's share of the step: ``max_j (F_i + rho_j K_i + R_j)``, shape (n,)
-        (or (n, T) for local batches of shape (n, T)), its earlier passes included where it
-        accumulates (:class:`ClusterArrays`).
+        """Each worker's share of the step: ``max_j (F_i + rho_j K_i + R_j)``, or its CPU
+        floor where that is longer, shape (n,) (or (n, T) for local batches of shape
+        (n, T)), its earlier passes included where it accumulates (:class:`ClusterArrays`).
 
         The step time is the largest of these; bounds (min/max batch) are not enforced
         here so that any split, feasible or not, can be evaluated.
@@ -373,7 +383,11 @@ class ClusterModel:
         means (12-26% more, measured on real 3-worker clusters). Worker i's share is taken
         as normal with mean :meth:`node_times` and standard deviation ``noise_i`` times its
         compute part (the communication left after its binding bucket is not its own
-        noise); equals :meth:`step_time` when no worker is noisy.
+        noise); equals :meth:`step_time` when no worker is noisy. Where a worker has a CPU
+        floor, only its time above the floor is noisy: it cannot run faster than its CPU
+        allows, and a worker held to its floor is exact. On CPU-quota workers the compute's
+        noise (~25%) over all of a worker's time over-predicted Cannikin's own split by
+        5-10%, where the quarter-core worker at 0 samples set the step at its floor.
         """
         means = self.node_times(local_batches)
         arr = self.arrays
@@ -382,6 +396,9 @@ class ClusterModel:
         row, x = arr.rows_of(np.asarray(local_batches, dtype=np.float64))
         binding = np.argmax(arr.offsets[row] + arr.slopes[row] * x[:, None], axis=1)
         compute = means - arr.comm_left[binding]
+        if arr.floor_rows is not None:  # the last column
+            above = means - (arr.offsets[row, -1] + arr.slopes[row, -1] * x)
+            compute = np.where(arr.floor_rows[row], np.minimum(compute, above), compute)
         return expected_max(means, arr.noise * np.maximum(compute, 0.0))
 
 
@@ -403,6 +420,10 @@ class ClusterArrays:
     ``x = 0`` is above the previous row's at its top (each pass adds ``F`` and a slope no
     smaller), so the sum over rows of what each can take by a time t is the worker's.
     A worker with ``fixed_passes`` k is the same formula on one row from ``b = 0``.
+    Where some worker has a ``cpu_floor`` (``floored``), every row has one more column
+    after the buckets': that floor's line (``c0 + c1*b``, rising at least
+    :data:`_FLOOR_SLOPE` of the row's slope), or for a worker without one a copy of its
+    last bucket's line.
     """
 
     offsets: FloatArray
@@ -423,6 +444,14 @@ class ClusterArrays:
     """Each worker's ``micro_batch`` (``inf`` where it does not accumulate), shape (n,)."""
     passes: npt.NDArray[np.intp]
     """Each worker's number of rows, shape (n,)."""
+    floor_rows: BoolArray | None = None
+    """The rows of workers with a CPU floor, shape (rows,); None when no worker has one.
+    Otherwise the last column is the floors' (it may cross any bucket's line)."""
+
+    @property
+    def floored(self) -> bool:
+        """Whether the last column is the CPU floors'."""
+        return self.floor_rows is not None
 
     @property
     def is_first(self) -> BoolArray:
@@ -475,9 +504,10 @@ class ClusterArrays:
         fields = np.array([(*n.fwd, *n.bwd, n.min_batch,
                             math.inf if n.max_batch is None else n.max_batch,
                             math.inf if n.micro_batch is None else n.micro_batch,
-                            n.fixed_passes or 0, n.rows, n.noise) for n in nodes],
+                            n.fixed_passes or 0, n.rows, n.noise,
+                            *(n.cpu_floor or (math.nan, math.nan))) for n in nodes],
                           dtype=np.float64)
-        f0, f1, k0, k1, lo_w, hi_w, micro, fixed_w, rows, noise = fields.T
+        f0, f1, k0, k1, lo_w, hi_w, micro, fixed_w, rows, noise, c0, c1 = fields.T
         binding = cluster.comm.binding()
         rho = cluster.comm.ready_fractions[binding]
         remaining = cluster.comm.remaining[binding]
@@ -499,10 +529,23 @@ class ClusterArrays:
         top = np.minimum(np.where(passes[owner] > 1, k * c, np.inf), hi_w[owner])
         hi = top - start
         lo = np.clip(lo_w[owner] - start, 0.0, hi)  # rows below the minimum's are full
+        has: BoolArray | None = None
+        if np.any(np.isfinite(c0)):
+            has = np.isfinite(c0)[owner]
+            slope = np.maximum(c1[owner], _FLOOR_SLOPE * row_slopes.min(axis=1))
+            row_offsets = np.column_stack([row_offsets, np.where(
+                has, c0[owner] + slope * start, row_offsets[:, -1])])
+            row_slopes = np.column_stack([row_slopes, np.where(has, slope, row_slopes[:, -1])])
+            remaining = np.append(remaining, 0.0)  # no communication left after a floor
         return ClusterArrays(offsets=row_offsets, slopes=row_slopes, lo=lo, hi=hi,
                              comm_left=remaining, noise=noise, owner=owner, start=start,
-                             first_row=first_row, micro=micro, passes=passes)
+                             first_row=first_row, micro=micro, passes=passes, floor_rows=has)
 
+
+_FLOOR_SLOPE = 1e-6
+"""A CPU floor's line rises at least this fraction of its worker's time per sample: the
+planners invert every line, and a floor fitted flat (the same CPU at every batch) must stay
+invertible without a slope so steep that summing the supply's slopes loses its digits."""
 
 # Normal tails beyond this many standard deviations are left out of the expected maximum
 # (probability < 1e-15 each).

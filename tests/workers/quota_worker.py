@@ -1,7 +1,7 @@
 """A quota worker for test_quota: join this rank's CPU-quota group, run a few training steps
 (HeteroDataParallel, even split), then time the same local compute on every rank (forward
 and backward of a model of its own, no collective), and print (rank 0) each rank's share,
-group and compute time as one JSON line.
+group, compute time and the cores it reads as its own limit as one JSON line.
 
 Not plain DDP: on torch 2.13 its built-in hook's all-reduces, launched inside the backward,
 carry the backward's Python context in their work, and a throttled gloo thread that drops it
@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
-from cannikin.runtime.quota import join_from_env
+from cannikin.runtime.quota import join_from_env, own_cpu_limit
 
 STEPS = 5
 BATCH = 256
@@ -67,10 +67,11 @@ def main() -> None:
     cpu_line = next(line for line in Path("/proc/self/cgroup").read_text().splitlines()
                     if "cpu" in line.split(":")[1].split(",") or line.startswith("0::"))
     rows: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (share, cpu_line.split(":", 2)[2], compute_s))
+    dist.all_gather_object(rows, (share, cpu_line.split(":", 2)[2], compute_s, own_cpu_limit()))
     if rank == 0:
-        shares, groups, times = zip(*rows, strict=True)
-        print(json.dumps({"shares": shares, "groups": groups, "compute_s": times}))
+        shares, groups, times, limits = zip(*rows, strict=True)
+        print(json.dumps({"shares": shares, "groups": groups, "compute_s": times,
+                          "cpu_limits": limits}))
     dist.destroy_process_group()
 
 

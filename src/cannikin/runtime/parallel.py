@@ -26,6 +26,7 @@ import copy
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -51,6 +52,7 @@ from cannikin.runtime.planner import (
     WorkerReport,
 )
 from cannikin.runtime.precondition import Preconditioner
+from cannikin.runtime.quota import own_cpu_limit
 from cannikin.runtime.step_timeout import StepTimeout
 from cannikin.runtime.timing import Clock, clock_for
 from cannikin.scaling import RULES, LRScaler
@@ -84,6 +86,8 @@ class _Cycle:
     previous_global_sqnorm: float | None = None
     prev_mark: Any = None
     """The clock's mark at the end of the previous step: where this step's cycle starts."""
+    prev_cpu: float = 0.0
+    """The process's CPU seconds at ``prev_mark``."""
     bwd_start: Any = None
     """The clock's mark where the (first pass's) backward started."""
     passes: tuple[int, ...] = ()
@@ -246,6 +250,7 @@ class HeteroDataParallel(nn.Module):
             ddp_kwargs.setdefault("device_ids", [self.device])
         self.ddp = DistributedDataParallel(module, **ddp_kwargs)
         self.clock: Clock = clock_for(self.device)
+        self.cpu_cores = own_cpu_limit()  # read once: a worker's quota is set before it starts
         # no norms until a step of the loader asks for them (before attach: plain DDP)
         self.comm = CommState(clock=self.clock, weight=1.0 / self.world_size,
                               capture_sqnorm=False)
@@ -483,7 +488,7 @@ class HeteroDataParallel(nn.Module):
         cycle.oom = False
         cycle.stepping = True
         if cycle.prev_mark is None:
-            cycle.prev_mark = self.clock.mark()
+            cycle.prev_mark, cycle.prev_cpu = self.clock.mark(), time.process_time()
 
     def begin_pass(self, index: int) -> None:
         """Pass ``index`` of the step's micro-batches is next: DDP all-reduces only after
@@ -565,9 +570,10 @@ class HeteroDataParallel(nn.Module):
                        **_map_batched(kwargs, lambda t: t[:2]))
         return _map_batched(out, lambda t: t[:1].expand(batch, *t.shape[1:]))
 
-    def _measure(self, step_s: float, local_sqnorm: float,
+    def _measure(self, step_s: float, cpu_s: float, local_sqnorm: float,
                  pass_sqnorms: tuple[float, ...]) -> StepReport:
-        """This rank's measurements of the step just finished (its period ``step_s``)."""
+        """This rank's measurements of the step just finished (its period ``step_s``, the
+        process's CPU seconds in it ``cpu_s``)."""
         cycle = self._cycle
         clock, comm = self.clock, self.comm
         prev = cycle.prev_mark
@@ -600,7 +606,8 @@ class HeteroDataParallel(nn.Module):
                             timed_batch=cycle.passes[0] if several else None,
                             sqnorm=local_sqnorm, pass_sqnorms=pass_sqnorms,
                             fwd_s=start, bwd_s=bwd, step_s=step_s,
-                            ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce))
+                            ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce),
+                            cpu_s=cpu_s, cpu_cores=self.cpu_cores)
         return report
 
     def _exchange_rows(self) -> np.ndarray:
@@ -645,14 +652,15 @@ class HeteroDataParallel(nn.Module):
                 f"step's {len(cycle.passes)} micro-batches: run forward and backward on every "
                 f"micro-batch of `for x, y in step` before the optimizer step (the gradient "
                 f"is all-reduced after the last one only)")
-        end = self.clock.mark()
+        end, cpu = self.clock.mark(), time.process_time()
         # the step's one read from the device; on a GPU every mark is complete after it,
         # so the timings below wait for nothing
         readout = self.comm.read_step(cycle.measuring and cycle.norms)
         step_s = self.clock.elapsed(cycle.prev_mark, end)
         report = global_sqnorm = None
         if cycle.measuring:
-            report = self._measure(step_s, readout.local_sqnorm, readout.pass_sqnorms)
+            report = self._measure(step_s, cpu - cycle.prev_cpu, readout.local_sqnorm,
+                                   readout.pass_sqnorms)
             if cycle.norms:
                 global_sqnorm = self._global_sqnorm(readout.global_sqnorm)
         reports = self._exchange(readout.rows)
@@ -661,7 +669,7 @@ class HeteroDataParallel(nn.Module):
         if planned != cycle.split:
             raise RuntimeError(f"rank {self.rank} planned split {list(cycle.split)} but the "
                                f"workers ran {list(planned)}: the ranks' plans diverged")
-        cycle.prev_mark = end
+        cycle.prev_mark, cycle.prev_cpu = end, cpu
         cycle.scaled = False
         if any(r.oom for r in reports):
             cycle.previous = None  # an out-of-memory step's measurements say nothing
@@ -686,7 +694,11 @@ class HeteroDataParallel(nn.Module):
                                for w in self.planner.current.costly],
         }
         if self.planner.due(cycle.step):
+            planning = time.process_time()
             self.planner.replan(cycle.step)
+            # the next step's CPU leaves the re-plan out: the CPU floor models a step that
+            # runs, and a refit cost the quarter-core worker ~13 ms of CPU (52 ms of its wall)
+            cycle.prev_cpu += time.process_time() - planning
 
     def _follow_preconditioner(self) -> None:
         """When Adam's preconditioning starts (after its warm-up), this step's norms are the

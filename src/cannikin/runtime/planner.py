@@ -54,10 +54,13 @@ MAX_BUCKETS = 16
 MAX_PASSES = 16
 """Most micro-batches per step and worker (:attr:`PlannerConfig.max_micro_batches`): each
 one's |g|^2 rides in the step report."""
-_PREVIOUS = 8 + 2 * MAX_BUCKETS + MAX_PASSES
-"""batch, timed, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c.., passes, sqnorm.."""
-_BEFORE_PASSES = _PREVIOUS - 1 - MAX_PASSES
-"""The length of a report saved before the passes' norms (a rank checkpoint)."""
+_PREVIOUS = 10 + 2 * MAX_BUCKETS + MAX_PASSES
+"""batch, timed, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c.., passes, sqnorm..,
+cpu_s, cpu_cores"""
+_BEFORE_CPU = _PREVIOUS - 2
+"""The length of a report saved before its CPU time (a rank checkpoint)."""
+_BEFORE_PASSES = _BEFORE_CPU - 1 - MAX_PASSES
+"""The length of a report saved before the passes' norms."""
 REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
 _STATE_VERSION = 1
 
@@ -88,6 +91,11 @@ class StepReport:
     """Per bucket, in ready order: fraction of this rank's backward done when it was ready."""
     allreduce_s: tuple[float, ...] = ()
     """Per bucket: this rank's view of the all-reduce time (includes waiting for peers)."""
+    cpu_s: float = 0.0
+    """CPU seconds of the whole process over the step (every thread; 0: not measured)."""
+    cpu_cores: float = 0.0
+    """Cores the process may use (:func:`~cannikin.runtime.quota.own_cpu_limit`; 0: not
+    known). ``cpu_s / cpu_cores`` is the shortest the step could have been."""
 
     def to_vector(self) -> list[float]:
         ready, comm = merge_buckets(self.ready_fractions, self.allreduce_s, MAX_BUCKETS)
@@ -97,7 +105,8 @@ class StepReport:
         passes = [0.0] * (MAX_PASSES - len(self.pass_sqnorms))
         return [float(self.batch), float(self.timed), self.sqnorm, self.fwd_s, self.bwd_s,
                 self.step_s, float(len(ready)), *ready, *pad, *comm, *pad,
-                float(len(self.pass_sqnorms)), *self.pass_sqnorms, *passes]
+                float(len(self.pass_sqnorms)), *self.pass_sqnorms, *passes, self.cpu_s,
+                self.cpu_cores]
 
     @property
     def timed(self) -> int:
@@ -110,6 +119,8 @@ class StepReport:
             values = [values[0], values[0], *values[1:]]
         if len(values) == _BEFORE_PASSES:  # saved before the passes' norms
             values = [*values, *[0.0] * (1 + MAX_PASSES)]
+        if len(values) == _BEFORE_CPU:  # saved before the CPU time
+            values = [*values, 0.0, 0.0]
         if len(values) != _PREVIOUS:
             raise ValueError(f"a step report has {_PREVIOUS} values, got {len(values)}")
         m = int(values[6])
@@ -122,7 +133,9 @@ class StepReport:
                                             values[7 + MAX_BUCKETS:7 + MAX_BUCKETS + m]),
                           pass_sqnorms=tuple(float(v) for v in values[
                               _BEFORE_PASSES + 1:_BEFORE_PASSES + 1
-                              + int(values[_BEFORE_PASSES])]))
+                              + int(values[_BEFORE_PASSES])]),
+                          cpu_s=float(values[_BEFORE_CPU]),
+                          cpu_cores=float(values[_BEFORE_CPU + 1]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,6 +301,14 @@ class PlannerConfig:
     """How much faster the trial's median step must be to keep the worker at 0."""
     trial_every: int = 200
     """Steps from one trial of a worker to the next, and how long a kept one stays at 0."""
+    cpu_floor: bool = True
+    """Fit each worker's CPU seconds per step (every thread) as a line in its local batch,
+    and plan with it over the cores it may use as a floor under its step
+    (:attr:`~cannikin.perf.NodeModel.cpu_floor`). On 100/50/25% CPU-quota workers the
+    step was the quarter-core worker's CPU over its share within 1-5% wherever it had
+    samples (and that worker set it at the even split, where the compute model alone
+    predicted it 20% short); a GPU worker's CPU is rarely near its cores, and then the
+    floor never binds."""
     costly_speedup: float = 1.01
     """A worker planned 0 samples is reported (logged once, ``PlanRecord.costly``) when the
     step is predicted at least this many times faster without it."""
@@ -483,6 +504,12 @@ class Planner:
     log_plans: bool = True
     """Log each plan and the fitted models at INFO (the runtime sets it on rank 0 only)."""
     fitters: list[NodeFitter] = field(init=False)
+    cpu_fitters: list[NodeFitter] = field(init=False)
+    """Each worker's CPU seconds per step against its whole local batch (0 included), as
+    a forward time with no backward: the same robust line, windows and remembered batch
+    sizes as its compute."""
+    cpu_cores: list[float] = field(init=False)
+    """The cores each worker last reported it may use (0: not known)."""
     comm_fitter: CommFitter = field(init=False)
     tracker: PredictionTracker = field(init=False)
     noise: NoiseScaleTracker = field(init=False)
@@ -522,6 +549,8 @@ class Planner:
     def __post_init__(self) -> None:
         cfg = self.config
         self.fitters = [NodeFitter() for _ in range(cfg.world_size)]
+        self.cpu_fitters = [NodeFitter() for _ in range(cfg.world_size)]
+        self.cpu_cores = [0.0] * cfg.world_size
         self.comm_fitter = CommFitter()
         self.tracker = PredictionTracker()
         self.noise = NoiseScaleTracker(smoothing=cfg.gns_smoothing, init_batch=cfg.init_batch)
@@ -689,9 +718,12 @@ class Planner:
 
     def _observe_timing(self, timings: Sequence[StepReport]) -> None:
         measured = _median([t.step_s for t in timings])
-        for fitter, t in zip(self.fitters, timings, strict=True):
+        for rank, (fitter, t) in enumerate(zip(self.fitters, timings, strict=True)):
             if t.timed > 0:
                 fitter.add(t.timed, t.fwd_s, t.bwd_s, remember=self._remember[0])
+            if self.config.cpu_floor and t.cpu_s > 0 and t.cpu_cores > 0:
+                self.cpu_fitters[rank].add(t.batch, t.cpu_s, 0.0, remember=self._remember[0])
+                self.cpu_cores[rank] = t.cpu_cores
         self._add_comm([t for t in timings if t.batch > 0])
         self._check_drift(timings)
         if math.isfinite(measured):
@@ -1034,14 +1066,27 @@ class Planner:
                 model = dataclasses.replace(model, micro_batch=micro,
                                             fixed_passes=cfg.micro_batches)
             nodes.append(model)
-        return ClusterModel(nodes=nodes, comm=self.comm_fitter.fit() or CommModel())
+        return ClusterModel(nodes=self._with_cpu_floors(nodes),
+                            comm=self.comm_fitter.fit() or CommModel())
+
+    def _with_cpu_floors(self, nodes: list[NodeModel]) -> list[NodeModel]:
+        """``nodes`` with each worker's fitted CPU per step over its cores as its
+        ``cpu_floor``, where the CPU is fitted (two batch sizes, or one and an earlier fit)."""
+        if not self.config.cpu_floor or not any(f.num_samples for f in self.cpu_fitters):
+            return nodes
+        n = len(nodes)
+        cpu = fit_nodes(self.cpu_fitters, [f"{node.name} CPU" for node in nodes], [0] * n,
+                        [None] * n)
+        return [node if line is None or cores <= 0 else dataclasses.replace(
+                    node, cpu_floor=(line.fwd[0] / cores, line.fwd[1] / cores))
+                for node, line, cores in zip(nodes, cpu, self.cpu_cores, strict=True)]
 
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
         """The same models with this config's bounds and caps applied."""
         nodes = [NodeModel(fwd=n.fwd, bwd=n.bwd, min_batch=min_local,
                            max_batch=self.config.cap_of(i), name=n.name, noise=n.noise,
                            micro_batch=self.config.micro_cap(i),
-                           fixed_passes=self.config.micro_batches)
+                           fixed_passes=self.config.micro_batches, cpu_floor=n.cpu_floor)
                  for i, n in enumerate(cluster.nodes)]
         return ClusterModel(nodes=nodes, comm=cluster.comm)
 

@@ -144,6 +144,39 @@ def usable_cores(hierarchy: Hierarchy | None = None) -> float:
     return min(cores, limit) if limit > 0 else cores
 
 
+def own_cpu_limit(mounts: Path = Path("/proc/self/mounts"),
+                  own_groups: Path = Path("/proc/self/cgroup")) -> float:
+    """Cores this process may use: its affinity, capped by the quota of its own cgroup and
+    of every group above it (a container's CPU limit, or a rank's group of
+    :class:`QuotaGroups`). The planner's CPU floor divides a worker's CPU per step by it.
+    Where the hierarchy cannot be read, the affinity alone."""
+    cores = usable_cores()
+    try:
+        lines = mounts.read_text(encoding="ascii", errors="replace").splitlines()
+        groups = own_groups.read_text(encoding="ascii", errors="replace").splitlines()
+    except OSError:
+        return cores
+    v2_group = next((line[3:] for line in groups if line.startswith("0::")), None)
+    for _, where, kind, options, *_ in (f for f in (line.split() for line in lines)
+                                        if len(f) >= 4):
+        if kind == "cgroup" and "cpu" in options.split(","):
+            version, group = 1, _own_v1_cpu_group(groups)
+        elif kind == "cgroup2" and v2_group is not None:
+            version, group = 2, v2_group
+        else:
+            continue
+        root = Path(where)
+        path = root / group.lstrip("/")
+        if not path.is_dir():  # a cgroup namespace: the mount is this process's own group
+            path = root
+        for directory in (path, *path.parents):
+            cores = min(cores, usable_cores(Hierarchy(version, directory)))
+            if directory == root:
+                break
+        return cores
+    return cores
+
+
 def parse_shares(text: str, name: str = ENV_VAR) -> tuple[float, ...]:
     """Comma-separated positive shares (``"1,0.5,0.25"``); ``name`` labels the errors."""
     shares = []
