@@ -54,8 +54,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # the parent imports this checkout's quota module
 
@@ -220,24 +218,14 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             "costly": [[w.rank, w.cost_s, w.speedup] for w in hdp.plan_history[-1].costly],
             "cpu_floors": [None if model is None else nd.cpu_floor for nd in (
                 model.nodes if model is not None else [None] * world)],
-            "cpu_levels": [_cpu_levels(f) for f in hdp.planner.cpu_fitters],
+            "cpu_levels": [sorted(f.level_medians().items())
+                           for f in hdp.planner.cpu_fitters],
             "tracker_window": tracker.median_window_error(),
             "tracker_step": tracker.median_step_error(),
         }))
     hdp.remove_hooks()
     held.remove_hooks()
     dist.destroy_process_group()
-
-
-def _cpu_levels(fitter: Any) -> list[tuple[float, int, float]]:
-    """A worker's CPU fitter by batch size: (batch, measurements, median CPU seconds), the
-    window's and the remembered sizes' (the latter as their anchors)."""
-    window = fitter.samples()
-    levels = [(b, int(np.sum(window[:, 0] == b)), float(np.median(window[window[:, 0] == b, 1])))
-              for b in np.unique(window[:, 0]).tolist()]
-    held = {b for b, _, _ in levels}
-    return levels + [(float(b), -1, float(c)) for b, c, _, _ in fitter.anchor_rows().tolist()
-                     if b not in held]
 
 
 def _two_x_away(split: tuple[int, ...]) -> tuple[int, ...]:
@@ -302,14 +290,13 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
               f"worst {100 * max(map(error, ddp)):.1f}% (even split: "
               f"{100 * error('DDP even'):.1f}%)")
     if any(result["cpu_floors"]):
-        print("Cannikin's fitted CPU floors (CPU per step over the worker's cores), and the CPU "
-              "per step its fit rests on (batch: ms, x measurements in the window, or remembered):")
+        print("Cannikin's CPU floors (CPU per step over the worker's cores), and the median "
+              "CPU per step at each batch size they rest on (batch: ms):")
         for rank, (floor, levels) in enumerate(zip(result["cpu_floors"], result["cpu_levels"],
                                                    strict=True)):
             line = "none" if floor is None else (
                 f"{1e3 * floor[0]:.1f} ms + {1e3 * floor[1]:.3f} ms/sample")
-            seen = ", ".join(f"{b:g}: {1e3 * c:.1f}" + (f" x{k}" if k >= 0 else " (rem.)")
-                             for b, k, c in levels)
+            seen = ", ".join(f"{b:g}: {1e3 * c:.1f}" for b, c in levels)
             print(f"  rank {rank}: {line}; {seen}")
     warm, final = result["cannikin_warm"], result["cannikin_final"]
     moved = "" if warm == final else f" (after the warm-up: {'/'.join(map(str, warm))})"

@@ -14,6 +14,7 @@ from cannikin.perf import (
     ClusterModel,
     CommFitter,
     CommModel,
+    CpuFitter,
     FitConfig,
     NodeFitter,
     NodeModel,
@@ -606,3 +607,45 @@ def test_vectorised_line_fits_match_the_per_row_reference(
     expected_points = [change_point_of(cfg, log_ratio[row, valid[row]]) for row in range(len(b))]
     assert found.tolist() == expected_points
     assert sum(p > 0 for p in expected_points) >= 10  # the test has speed changes to find
+
+
+def test_the_cpu_floor_is_the_chord_under_a_concave_cpu_curve() -> None:
+    """Reference: the median CPU at each measured batch size (the quarter-core worker of
+    bench_real: per-sample CPU falls with the batch). The chord from the smallest to the
+    largest size passes through both medians and stays under the ones between."""
+    rng = np.random.default_rng(4)
+    truth = {0: 0.0166, 28: 0.0225, 80: 0.0272, 160: 0.0304}
+    fitter = CpuFitter()
+    for _ in range(3):  # the warm-up's batch, remembered
+        fitter.add(160, truth[160] * float(np.exp(0.1 * rng.standard_normal())), remember=True)
+    for batch, count in ((28, 5), (80, 5), (0, 51)):
+        for _ in range(count):
+            fitter.add(batch, truth[batch] * float(np.exp(0.1 * rng.standard_normal())))
+    medians = fitter.level_medians()
+    assert sorted(medians) == [0, 28, 80, 160]
+    c0, c1 = fitter.floor_line() or (math.nan, math.nan)
+    assert c0 == pytest.approx(medians[0], rel=1e-12)
+    assert c0 + 160 * c1 == pytest.approx(medians[160], rel=1e-12)
+    assert all(c0 + c1 * b <= medians[b] for b in (28, 80))
+    for batch in truth:  # within the noise of each median
+        assert c0 + c1 * batch == pytest.approx(truth[batch], rel=0.25)
+
+
+def test_cpu_fitter_levels_need_samples_and_keep_their_ends() -> None:
+    fitter = CpuFitter(window=8, levels=3, min_samples=2)
+    assert fitter.floor_line() is None and not fitter.add(4, math.nan)
+    for _ in range(2):
+        fitter.add(0, 0.01, remember=True)
+    fitter.add(50, 0.02)  # one measurement: not a level yet
+    assert fitter.floor_line() is None
+    fitter.add(50, 0.02)
+    assert fitter.floor_line() == pytest.approx((0.01, 0.0002))
+    for batch in (10, 20, 100):  # a fourth remembered size evicts a middle one, not an end
+        for _ in range(2):
+            fitter.add(batch, 0.01 + 0.0002 * batch, remember=True)
+    for _ in range(8):  # the window turns over: the remembered ends still make the chord
+        fitter.add(20, 0.014)
+    assert sorted(fitter.level_medians()) == [0, 20, 100]
+    assert fitter.floor_line() == pytest.approx((0.01, 0.0002))
+    with pytest.raises(ValueError, match="levels=1"):
+        CpuFitter(levels=1)

@@ -964,6 +964,84 @@ def _rescale(measured: float, predicted: float) -> float:
 
 
 @dataclass
+class CpuFitter:
+    """One worker's CPU seconds per step (every thread) against its local batch, 0
+    included: its CPU floor (:attr:`NodeModel.cpu_floor`, once divided by its cores).
+
+    The floor is the chord from the median CPU at the smallest to the median at the
+    largest batch size measured at least ``min_samples`` times, in the window of the last
+    ``window`` steps or remembered (``add(..., remember=True)``: the warm-up's even split,
+    probes; the latest ``level_samples`` at each of up to ``levels`` sizes). A chord, not a
+    fitted line: a worker's CPU per sample falls as its batch grows (a larger matrix
+    product is cheaper per sample; on the quarter-core worker of ``bench_real`` 16.6 ms at
+    0 samples, 22.5 at 28, 27.2 at 80, 30.4 at 160), so a least-squares line through the
+    many steps at the split in use and a few far from it predicted 160 samples 27% high.
+    The chord stays under every measurement between its ends, as a floor should.
+    """
+
+    window: int = 64
+    levels: int = 16
+    level_samples: int = 9
+    min_samples: int = 3
+    _recent: deque[tuple[float, float]] = field(init=False, repr=False)
+    _remembered: OrderedDict[float, deque[float]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("window", "levels", "level_samples", "min_samples"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.levels < 2:
+            raise ValueError(f"levels={self.levels} must be >= 2 (a chord has two ends)")
+        self._recent = deque(maxlen=self.window)
+        self._remembered = OrderedDict()
+
+    @property
+    def num_samples(self) -> int:
+        """Steps in the window."""
+        return len(self._recent)
+
+    def add(self, batch: float, cpu_s: float, remember: bool = False) -> bool:
+        """Record one step's CPU; False (nothing kept) for a non-finite or negative value."""
+        if not (math.isfinite(batch) and math.isfinite(cpu_s) and batch >= 0 and cpu_s >= 0):
+            return False
+        self._recent.append((float(batch), float(cpu_s)))
+        if remember:
+            level = self._remembered.get(float(batch))
+            if level is None:
+                level = self._remembered[float(batch)] = deque(maxlen=self.level_samples)
+                if len(self._remembered) > self.levels:
+                    ends = (min(self._remembered), max(self._remembered), float(batch))
+                    del self._remembered[next(b for b in self._remembered if b not in ends)]
+            self._remembered.move_to_end(float(batch))
+            level.append(float(cpu_s))
+        return True
+
+    def level_medians(self) -> dict[float, float]:
+        """Median CPU seconds at each batch size measured at least ``min_samples`` times:
+        the window's, and the remembered sizes the window does not hold enough of."""
+        by_size: dict[float, list[float]] = {}
+        for batch, cpu in self._recent:
+            by_size.setdefault(batch, []).append(cpu)
+        medians = {b: statistics.median(v) for b, v in by_size.items()
+                   if len(v) >= self.min_samples}
+        for batch, level in self._remembered.items():
+            if batch not in medians and len(level) >= self.min_samples:
+                medians[batch] = statistics.median(level)
+        return medians
+
+    def floor_line(self) -> tuple[float, float] | None:
+        """``(c0, c1)``: CPU seconds at 0 samples and per sample along the chord; None
+        before two batch sizes are measured enough."""
+        medians = self.level_medians()
+        if len(medians) < 2:
+            return None
+        lo, hi = min(medians), max(medians)
+        slope = max((medians[hi] - medians[lo]) / (hi - lo), 0.0)
+        return max(medians[lo] - slope * lo, 0.0), slope
+
+
+@dataclass
 class CommFitter:
     """Learns the :class:`CommModel` from per-step bucket measurements (robust medians).
 

@@ -36,6 +36,7 @@ from cannikin.perf import (
     ClusterModel,
     CommFitter,
     CommModel,
+    CpuFitter,
     NodeFitter,
     NodeModel,
     PredictionTracker,
@@ -504,10 +505,8 @@ class Planner:
     log_plans: bool = True
     """Log each plan and the fitted models at INFO (the runtime sets it on rank 0 only)."""
     fitters: list[NodeFitter] = field(init=False)
-    cpu_fitters: list[NodeFitter] = field(init=False)
-    """Each worker's CPU seconds per step against its whole local batch (0 included), as
-    a forward time with no backward: the same robust line, windows and remembered batch
-    sizes as its compute."""
+    cpu_fitters: list[CpuFitter] = field(init=False)
+    """Each worker's CPU seconds per step against its whole local batch (0 included)."""
     cpu_cores: list[float] = field(init=False)
     """The cores each worker last reported it may use (0: not known)."""
     comm_fitter: CommFitter = field(init=False)
@@ -549,7 +548,7 @@ class Planner:
     def __post_init__(self) -> None:
         cfg = self.config
         self.fitters = [NodeFitter() for _ in range(cfg.world_size)]
-        self.cpu_fitters = [NodeFitter() for _ in range(cfg.world_size)]
+        self.cpu_fitters = [CpuFitter() for _ in range(cfg.world_size)]
         self.cpu_cores = [0.0] * cfg.world_size
         self.comm_fitter = CommFitter()
         self.tracker = PredictionTracker()
@@ -722,7 +721,7 @@ class Planner:
             if t.timed > 0:
                 fitter.add(t.timed, t.fwd_s, t.bwd_s, remember=self._remember[0])
             if self.config.cpu_floor and t.cpu_s > 0 and t.cpu_cores > 0:
-                self.cpu_fitters[rank].add(t.batch, t.cpu_s, 0.0, remember=self._remember[0])
+                self.cpu_fitters[rank].add(t.batch, t.cpu_s, remember=self._remember[0])
                 self.cpu_cores[rank] = t.cpu_cores
         self._add_comm([t for t in timings if t.batch > 0])
         self._check_drift(timings)
@@ -1070,16 +1069,16 @@ class Planner:
                             comm=self.comm_fitter.fit() or CommModel())
 
     def _with_cpu_floors(self, nodes: list[NodeModel]) -> list[NodeModel]:
-        """``nodes`` with each worker's fitted CPU per step over its cores as its
-        ``cpu_floor``, where the CPU is fitted (two batch sizes, or one and an earlier fit)."""
+        """``nodes`` with each worker's CPU per step over its cores as its ``cpu_floor``,
+        where two of its batch sizes are measured (:meth:`CpuFitter.floor_line`)."""
         if not self.config.cpu_floor or not any(f.num_samples for f in self.cpu_fitters):
             return nodes
-        n = len(nodes)
-        cpu = fit_nodes(self.cpu_fitters, [f"{node.name} CPU" for node in nodes], [0] * n,
-                        [None] * n)
-        return [node if line is None or cores <= 0 else dataclasses.replace(
-                    node, cpu_floor=(line.fwd[0] / cores, line.fwd[1] / cores))
-                for node, line, cores in zip(nodes, cpu, self.cpu_cores, strict=True)]
+        floored = []
+        for node, fitter, cores in zip(nodes, self.cpu_fitters, self.cpu_cores, strict=True):
+            line = fitter.floor_line() if cores > 0 else None
+            floored.append(node if line is None else dataclasses.replace(
+                node, cpu_floor=(line[0] / cores, line[1] / cores)))
+        return floored
 
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
         """The same models with this config's bounds and caps applied."""
