@@ -22,7 +22,7 @@ from dist_utils import WORKERS, run_torchrun
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
           "adam_noise_reset", "noise_stride", "amp", "ddp_habits", "attach_later",
-          "model_output", "step_timeout", "accumulate", "pinned_split"]
+          "model_output", "step_timeout", "accumulate", "pinned_split", "replan_not_measured"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -120,6 +120,14 @@ def test_an_evaluation_between_steps_is_not_measured(figures: dict[str, Any]) ->
     assert got["step_time_s"][6] > 0.3  # the pause is in step 6's cycle ...
     assert max(f for f in got["fwd_s"] if f is not None) < 0.3  # ... and no measured one
     assert got["fitted_fwd"] and all(f0 + f1 * 16 < 0.3 for f0, f1 in got["fitted_fwd"])
+
+
+def test_a_replans_time_is_not_the_next_steps(figures: dict[str, Any]) -> None:
+    got = figures["replan_not_measured"]
+    assert got["plans"][:2] == [0, 3]  # the start, then the warm-up's re-plan after step 3
+    assert got["step_time_s"][4] > 0.3  # its 0.3 s of CPU is in step 4's period ...
+    assert 0 < got["cpu_s"][4] < 0.3 and got["fwd_s"][4] < 0.3  # ... not in its measurements
+    assert all(c is not None and 0 < c < 0.3 for c in got["cpu_s"][1:])
 
 
 def test_noise_scale_starts_over_when_adam_preconditions(figures: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 SCALARS = ("step_time_s", "predicted_step_time_s", "total_batch", "lr_factor", "noise_scale",
-           "fwd_s", "bwd_s")
+           "fwd_s", "bwd_s", "cpu_s")
 """The per-step figures written as TensorBoard scalars (each under ``cannikin/``)."""
 
 

@@ -421,6 +421,36 @@ def check_eval_between_steps() -> dict[str, Any]:
             "step_time_s": [r["step_time_s"] for r in sink.rows], "fitted_fwd": fitted}
 
 
+def check_replan_not_measured() -> dict[str, Any]:
+    """The warm-up's re-plan (after step 3) made 0.3 s of busy CPU on every rank: step 4's
+    period counts it, its measurements (timings and CPU) do not."""
+    data = _blobs(600)
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(data, batch_size=48, seed=4)
+    sink = Recorder()
+    model = HeteroDataParallel(net, opt, loader, metrics=sink)
+    planner = model.planner
+    replan = planner.replan
+
+    def slow_replan(step: int, reason: str = "cadence") -> Any:
+        record = replan(step, reason)
+        busy = time.process_time() + 0.3
+        while time.process_time() < busy:
+            pass
+        return record
+
+    planner.replan = slow_replan  # type: ignore[method-assign]
+    for step, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step == 6:
+            break
+    return {"plans": [r.step for r in planner.history],
+            **{key: [r[key] for r in sink.rows] for key in ("step_time_s", "cpu_s", "fwd_s")}}
+
+
 def _noise_updates(model: HeteroDataParallel, opt: torch.optim.Optimizer,
                    loader: HeteroDataLoader, steps: int) -> list[int]:
     """The noise scale's count of updates after each of ``steps`` training steps."""

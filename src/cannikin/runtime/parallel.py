@@ -86,8 +86,12 @@ class _Cycle:
     previous_global_sqnorm: float | None = None
     prev_mark: Any = None
     """The clock's mark at the end of the previous step: where this step's cycle starts."""
+    measure_from: Any = None
+    """Where this step's measured period starts: ``prev_mark``, or the end of the re-plan
+    made there. The model predicts steps, and a re-plan is the planner's time, not the
+    step's: it took 52 ms of a quarter-core worker's wall time, once in 5-40 steps."""
     prev_cpu: float = 0.0
-    """The process's CPU seconds at ``prev_mark``."""
+    """The process's CPU seconds at ``measure_from``."""
     bwd_start: Any = None
     """The clock's mark where the (first pass's) backward started."""
     passes: tuple[int, ...] = ()
@@ -488,7 +492,8 @@ class HeteroDataParallel(nn.Module):
         cycle.oom = False
         cycle.stepping = True
         if cycle.prev_mark is None:
-            cycle.prev_mark, cycle.prev_cpu = self.clock.mark(), time.process_time()
+            cycle.prev_mark = cycle.measure_from = self.clock.mark()
+            cycle.prev_cpu = time.process_time()
 
     def begin_pass(self, index: int) -> None:
         """Pass ``index`` of the step's micro-batches is next: DDP all-reduces only after
@@ -572,11 +577,11 @@ class HeteroDataParallel(nn.Module):
 
     def _measure(self, step_s: float, cpu_s: float, local_sqnorm: float,
                  pass_sqnorms: tuple[float, ...]) -> StepReport:
-        """This rank's measurements of the step just finished (its period ``step_s``, the
-        process's CPU seconds in it ``cpu_s``)."""
+        """This rank's measurements of the step just finished (its measured period
+        ``step_s``, from ``measure_from``; the process's CPU seconds in it ``cpu_s``)."""
         cycle = self._cycle
         clock, comm = self.clock, self.comm
-        prev = cycle.prev_mark
+        prev = cycle.measure_from
 
         def at(mark: Any, otherwise: float) -> float:
             return otherwise if mark is None else clock.elapsed(prev, mark)
@@ -659,7 +664,8 @@ class HeteroDataParallel(nn.Module):
         step_s = self.clock.elapsed(cycle.prev_mark, end)
         report = global_sqnorm = None
         if cycle.measuring:
-            report = self._measure(step_s, cpu - cycle.prev_cpu, readout.local_sqnorm,
+            report = self._measure(self.clock.elapsed(cycle.measure_from, end),
+                                   cpu - cycle.prev_cpu, readout.local_sqnorm,
                                    readout.pass_sqnorms)
             if cycle.norms:
                 global_sqnorm = self._global_sqnorm(readout.global_sqnorm)
@@ -669,7 +675,8 @@ class HeteroDataParallel(nn.Module):
         if planned != cycle.split:
             raise RuntimeError(f"rank {self.rank} planned split {list(cycle.split)} but the "
                                f"workers ran {list(planned)}: the ranks' plans diverged")
-        cycle.prev_mark, cycle.prev_cpu = end, cpu
+        cycle.prev_mark = cycle.measure_from = end
+        cycle.prev_cpu = cpu
         cycle.scaled = False
         if any(r.oom for r in reports):
             cycle.previous = None  # an out-of-memory step's measurements say nothing
@@ -689,16 +696,14 @@ class HeteroDataParallel(nn.Module):
             "predicted_step_time_s": predicted, "lr_factor": factor,
             "noise_scale": noise.noise_scale(), "measured": report is not None,
             "fwd_s": None if report is None else report.fwd_s,
-            "bwd_s": None if report is None else report.bwd_s, "trained": total,
+            "bwd_s": None if report is None else report.bwd_s,
+            "cpu_s": None if report is None else report.cpu_s, "trained": total,
             "costly_workers": [{"rank": w.rank, "cost_s": w.cost_s, "speedup": w.speedup}
                                for w in self.planner.current.costly],
         }
         if self.planner.due(cycle.step):
-            planning = time.process_time()
             self.planner.replan(cycle.step)
-            # the next step's CPU leaves the re-plan out: the CPU floor models a step that
-            # runs, and a refit cost the quarter-core worker ~13 ms of CPU (52 ms of its wall)
-            cycle.prev_cpu += time.process_time() - planning
+            cycle.measure_from, cycle.prev_cpu = self.clock.mark(), time.process_time()
 
     def _follow_preconditioner(self) -> None:
         """When Adam's preconditioning starts (after its warm-up), this step's norms are the
