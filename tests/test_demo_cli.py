@@ -219,3 +219,16 @@ def test_a_target_outside_zero_to_one_is_refused(target: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     err = usage_error(["--target", target], capsys)
     assert "--target" in err and target in err
+
+
+
+def test_the_task_is_passed() -> None:
+    assert config_of([]).task == "digits"
+    config = config_of(["--task", "teacher"])
+    assert config.task == "teacher"
+    assert DemoConfig.from_json(config.to_json()) == config
+
+
+def test_an_unknown_task_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(["--task", "mnist"], capsys)
+    assert "--task" in err and "'mnist'" in err

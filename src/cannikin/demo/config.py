@@ -17,7 +17,11 @@ WORKERS_PER_CORE = 4
 """Emulated workers mostly sleep (they pad their compute to a target time), so a core holds
 a few of them; beyond four per core the real compute of one delays the others' padding."""
 WORKER_MEMORY_BYTES = 512 * 2**20
-"""Resident memory of one worker process (torch, gloo, the model and the digits data)."""
+"""Resident memory of one worker process (torch, gloo, the model and the task's data)."""
+TASKS = ("digits", "teacher")
+"""What the demo can train: scikit-learn's digits with a small CNN
+(:mod:`cannikin.demo.digits`), or softmax regression on a random teacher's labels, whose
+noise scale grows as it trains (:mod:`cannikin.demo.teacher`)."""
 
 
 def default_speeds(workers: int) -> tuple[float, ...]:
@@ -83,6 +87,8 @@ class DemoConfig:
     the loss spikes early in training and the even and Cannikin runs, which differ only in
     float summation order and the AdaScale factor of each epoch's partial batch, then end far
     apart; at 0.05 training is stable and they end close together."""
+    task: str = "digits"
+    """What to train, one of :data:`TASKS`."""
     seed: int = 0
     """Seed of the model initialisation, the data split and the sample order."""
     verbose: bool = False
@@ -130,7 +136,10 @@ class DemoConfig:
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if self.target is not None and not 0.0 < self.target < 1.0:
             raise ValueError(f"target accuracy {self.target} is not valid: give a fraction "
-                             "of the held-out images strictly between 0 and 1, e.g. 0.9")
+                             "of the held-out samples strictly between 0 and 1, e.g. 0.9")
+        if self.task not in TASKS:
+            raise ValueError(f"task {self.task!r} is not valid: give one of "
+                             f"{', '.join(TASKS)}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
         if self.cpu_shares is not None and len(self.cpu_shares) != n:
