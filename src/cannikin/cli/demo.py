@@ -131,6 +131,10 @@ def register(subparsers: Any) -> None:
                              "teacher's noisy labels (64 Gaussian features, 8192 training "
                              "samples, best held-out accuracy ~86%%), whose gradient noise "
                              "scale grows as it trains, so the goodput batch grows")
+    parser.add_argument("--lr-decay", choices=("steps", "progress"),
+                        help="divide the learning rate by 10 half way through the budget, "
+                             "counted in optimizer steps of B0 (steps: a plain LambdaLR) or "
+                             "in AdaScale's progress (progress); default: a constant rate")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG figure")
     parser.add_argument("--out", type=Path, metavar="DIR",
@@ -181,6 +185,7 @@ def _config(args: argparse.Namespace) -> Any:
         return DemoConfig(
             speeds=speeds, epochs=epochs, steps=args.steps, batch_size=args.batch_size,
             adaptive_batch=args.adaptive_batch, target=args.target, task=args.task,
+            lr_decay=args.lr_decay,
             seed=args.seed, verbose=args.verbose,
             cpu_shares=_cpu_shares(speeds) if args.heterogeneity == "quota" else None,
         )

@@ -22,6 +22,11 @@ TASKS = ("digits", "teacher")
 """What the demo can train: scikit-learn's digits with a small CNN
 (:mod:`cannikin.demo.digits`), or softmax regression on a random teacher's labels, whose
 noise scale grows as it trains (:mod:`cannikin.demo.teacher`)."""
+LR_SCHEDULES = ("steps", "progress")
+"""What ``DemoConfig.lr_decay`` counts: optimizer steps (what a plain LambdaLR counts) or
+AdaScale's progress (B0-steps of statistical progress, ``model.scaler.progress``)."""
+LR_DECAY = 0.1
+"""The factor of the learning rate after the decay."""
 
 
 def default_speeds(workers: int) -> tuple[float, ...]:
@@ -87,6 +92,11 @@ class DemoConfig:
     the loss spikes early in training and the even and Cannikin runs, which differ only in
     float summation order and the AdaScale factor of each epoch's partial batch, then end far
     apart; at 0.05 training is stable and they end close together."""
+    lr_decay: str | None = None
+    """Multiply the learning rate by :data:`LR_DECAY` once half the budget's steps of B0 have
+    passed, counted as one of :data:`LR_SCHEDULES` says; None: a constant rate. Under an
+    adaptive batch "steps" decays later than AdaScale intends (a step of B samples is worth
+    up to B/B0 steps of B0), "progress" when the statistical progress is there."""
     task: str = "digits"
     """What to train, one of :data:`TASKS`."""
     seed: int = 0
@@ -137,6 +147,9 @@ class DemoConfig:
         if self.target is not None and not 0.0 < self.target < 1.0:
             raise ValueError(f"target accuracy {self.target} is not valid: give a fraction "
                              "of the held-out samples strictly between 0 and 1, e.g. 0.9")
+        if self.lr_decay is not None and self.lr_decay not in LR_SCHEDULES:
+            raise ValueError(f"lr_decay {self.lr_decay!r} is not valid: give one of "
+                             f"{', '.join(LR_SCHEDULES)} or None")
         if self.task not in TASKS:
             raise ValueError(f"task {self.task!r} is not valid: give one of "
                              f"{', '.join(TASKS)}")
@@ -180,6 +193,12 @@ class DemoConfig:
             return self.steps * self.batch_size
         assert self.epochs is not None
         return self.epochs * train_size
+
+    def lr_factor(self, position: float, train_size: int) -> float:
+        """The learning rate's schedule factor at ``position`` (optimizer steps or progress,
+        as :attr:`lr_decay` says): :data:`LR_DECAY` from half the budget in steps of B0."""
+        half = self.sample_budget(train_size) / self.batch_size / 2
+        return LR_DECAY if self.lr_decay is not None and position >= half else 1.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

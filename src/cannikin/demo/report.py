@@ -137,6 +137,7 @@ def build_report(
     return {
         "phases": list(phases),
         "task": config.task,
+        "lr_decay": config.lr_decay,
         "target": config.target,
         "time_to_target_vs": versus if config.target is not None else None,
         "workers": config.workers,

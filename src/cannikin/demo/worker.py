@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
 
 from cannikin.demo import files
 from cannikin.demo.config import DemoConfig
@@ -112,6 +113,17 @@ class _TargetWatch:
         return {"target": self.config.target, "evaluations": len(self.accuracies), **reached}
 
 
+def _lr_schedule(config: DemoConfig, optimizer: torch.optim.Optimizer,
+                 model: HeteroDataParallel, train_size: int) -> LambdaLR | None:
+    """``config.lr_decay``'s schedule, indexed by the optimizer steps (what LambdaLR counts)
+    or by AdaScale's progress (docs/runtime.md's pattern); None for a constant rate."""
+    if config.lr_decay is None:
+        return None
+    if config.lr_decay == "progress":
+        return LambdaLR(optimizer, lambda _: config.lr_factor(model.scaler.progress, train_size))
+    return LambdaLR(optimizer, lambda step: config.lr_factor(step, train_size))
+
+
 def _train_phase(
     config: DemoConfig, ctx: DistContext, data: DataSplit, phase: str, split: str, out: Path
 ) -> None:
@@ -132,6 +144,7 @@ def _train_phase(
         replan_every=config.replan_every, metrics=sink, slowdown_profile=EMULATED_PROFILE,
     )
     budget = config.sample_budget(len(data.train))
+    scheduler = _lr_schedule(config, optimizer, model, len(data.train))
     seen = steps = 0
     indices: list[list[int]] = []
     target = _TargetWatch(config, data, out, phase, ctx.rank)
@@ -144,6 +157,8 @@ def _train_phase(
             loss = F.cross_entropy(model(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             total_batch = int(model.last_metrics["total_batch"])  # the same on every rank
             steps += 1
             seen += total_batch
