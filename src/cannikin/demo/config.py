@@ -26,7 +26,7 @@ LR_SCHEDULES = ("steps", "progress")
 """What ``DemoConfig.lr_decay`` counts: optimizer steps (what a plain LambdaLR counts) or
 AdaScale's progress (B0-steps of statistical progress, ``model.scaler.progress``)."""
 LR_DECAY = 0.1
-"""The factor of the learning rate after the decay."""
+"""The learning rate's factor after the decay (the classic step decay's tenth)."""
 
 
 def default_speeds(workers: int) -> tuple[float, ...]:
@@ -96,7 +96,8 @@ class DemoConfig:
     """Multiply the learning rate by :data:`LR_DECAY` once half the budget's steps of B0 have
     passed, counted as one of :data:`LR_SCHEDULES` says; None: a constant rate. Under an
     adaptive batch "steps" decays later than AdaScale intends (a step of B samples is worth
-    up to B/B0 steps of B0), "progress" when the statistical progress is there."""
+    up to B/B0 steps of B0), "progress" when the statistical progress is there; the figures
+    of both are in docs/runtime.md."""
     task: str = "digits"
     """What to train, one of :data:`TASKS`."""
     seed: int = 0

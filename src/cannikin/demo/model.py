@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from cannikin.demo import teacher
+from cannikin.demo.config import TASKS
 
 
 class DigitsCNN(nn.Module):
@@ -36,4 +37,4 @@ def make_model(task: str) -> nn.Module:
         return DigitsCNN()
     if task == "teacher":
         return nn.Linear(teacher.FEATURES, teacher.CLASSES)
-    raise ValueError(f"task {task!r} is not valid: give 'digits' or 'teacher'")
+    raise ValueError(f"task {task!r} is not valid: give one of {', '.join(TASKS)}")
