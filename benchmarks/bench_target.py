@@ -12,8 +12,9 @@ The quota speeds follow the demo's default 1,1,2,4, scaled to the machine's core
 cgroup cpu controller is not writable the quota half is left out, with the demo's one line on
 why.
 
-Run: ``python benchmarks/bench_target.py [--repeats 3] [--target 0.97]``. Figures only, no
-asserts on timing.
+Run: ``python benchmarks/bench_target.py [--repeats 3] [--target 0.97] [--task digits]``
+(``--task teacher --target 0.82 --epochs 8``: the synthetic task whose batch grows). Figures
+only, no asserts on timing.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ QUOTA_REFUSED = 2
 """The demo's exit status when CPU quotas cannot be set here."""
 
 
-def _demo(heterogeneity: str, target: float, epochs: int, out: Path) -> dict[str, Any] | None:
+def _demo(heterogeneity: str, target: float, epochs: int, task: str,
+          out: Path) -> dict[str, Any] | None:
     """One ``cannikin demo --target`` run: its JSON report, or None where the quota
     half cannot run (the demo's reason printed)."""
     out.mkdir(parents=True)
     report = out / "report.json"
-    command = [*CLI, "demo", "--target", str(target), "--epochs", str(epochs),
+    command = [*CLI, "demo", "--task", task, "--target", str(target), "--epochs", str(epochs),
                "--heterogeneity", heterogeneity, "--no-progress",
                "--out", str(out), "--json", str(report)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
@@ -71,6 +73,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target", type=float, default=0.97)
     parser.add_argument("--epochs", type=int, default=20, help="budget per run")
+    parser.add_argument("--task", choices=("digits", "teacher"), default="digits")
     args = parser.parse_args()
     if args.repeats < 1 or not 0 < args.target < 1:
         parser.error(f"need --repeats >= 1 (got {args.repeats}) and 0 < --target < 1 "
@@ -80,7 +83,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-target-") as tmp:
         for repeat in range(args.repeats):
             for kind in list(kinds if repeat % 2 == 0 else kinds[::-1]):
-                report = _demo(kind, args.target, args.epochs, Path(tmp) / f"{kind}{repeat}")
+                report = _demo(kind, args.target, args.epochs, args.task,
+                               Path(tmp) / f"{kind}{repeat}")
                 if report is None:
                     kinds.remove(kind)
                     continue

@@ -219,3 +219,36 @@ def test_a_target_outside_zero_to_one_is_refused(target: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     err = usage_error(["--target", target], capsys)
     assert "--target" in err and target in err
+
+
+
+def test_the_task_is_passed() -> None:
+    assert config_of([]).task == "digits"
+    config = config_of(["--task", "teacher"])
+    assert config.task == "teacher"
+    assert DemoConfig.from_json(config.to_json()) == config
+
+
+def test_an_unknown_task_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(["--task", "mnist"], capsys)
+    assert "--task" in err and "'mnist'" in err
+
+
+def test_the_lr_decay_is_passed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert config_of([]).lr_decay is None
+    config = config_of(["--lr-decay", "progress"])
+    assert config.lr_decay == "progress"
+    assert DemoConfig.from_json(config.to_json()) == config
+    err = usage_error(["--lr-decay", "cosine"], capsys)
+    assert "--lr-decay" in err and "'cosine'" in err
+
+
+def test_the_lr_decays_half_way_through_the_budget() -> None:
+    """At half the budget's steps of B0 (here 2 epochs of 1000 samples at 50: 20 of them),
+    whatever counts them; a constant rate without a decay."""
+    config = DemoConfig(epochs=2, batch_size=50, lr_decay="steps")
+    assert [config.lr_factor(p, 1000) for p in (0, 19.9, 20, 400)] == [1.0, 1.0, 0.1, 0.1]
+    assert DemoConfig(epochs=2, batch_size=50).lr_factor(400, 1000) == 1.0
+    with pytest.raises(ValueError, match="lr_decay 'cosine' is not valid: give one of steps, "
+                                         "progress or None"):
+        DemoConfig(epochs=2, lr_decay="cosine")

@@ -81,3 +81,22 @@ def test_a_target_run_stops_each_phase_at_the_target(tmp_path: Path) -> None:
         assert run["mean_batch"] == pytest.approx(run["samples"] / run["steps"])
     assert report["time_to_target_vs"]["even"] == pytest.approx(
         report["cannikin"]["time_to_target_s"] / report["even"]["time_to_target_s"])
+
+
+@pytest.mark.timeout(150)
+def test_on_the_teacher_task_the_goodput_batch_grows(tmp_path: Path) -> None:
+    """``--task teacher``: the noise scale grows as the student trains, and Cannikin's batch
+    with it (on this cluster it first grew at steps 19-34 in five runs)."""
+    args = parse(["--task", "teacher", "--adaptive-batch", "--steps", "80",
+                  "--json", str(tmp_path / "t.json"), "--out", str(tmp_path / "out"),
+                  "--no-progress", "--timeout", "120"])
+    code = args.func(args)
+    assert code == 0, (tmp_path / "out" / "workers.log").read_text()[-3000:]
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["task"] == "teacher" and report["train_size"] == 8192
+    plans = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()
+             if '"plan"' in line and '"cannikin"' in line]
+    batches = [p["total_batch"] for p in plans]
+    assert batches[0] == 64 and max(batches) >= 96, batches
+    assert report["even"]["mean_batch"] == 64
+    assert report["even"]["samples"] == 80 * 64 <= report["cannikin"]["samples"]

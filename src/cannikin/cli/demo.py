@@ -1,6 +1,7 @@
-"""``cannikin demo``: train a small CNN on a local heterogeneous cluster, first with the even
-split of plain DDP and then with Cannikin, and compare them side by side (with ``--target``,
-time to a held-out accuracy, with an AdaptDL-like run between them). The workers' speeds
+"""``cannikin demo``: train a small CNN (or, ``--task teacher``, softmax regression on noisy
+synthetic labels) on a local heterogeneous cluster, first with the even split of plain DDP
+and then with Cannikin, and compare them side by side (with ``--target``, time to a
+held-out accuracy, with an AdaptDL-like run between them). The workers' speeds
 are emulated (sleep-padding, the default) or real (``--heterogeneity quota``: a CPU quota per
 worker, proportional to its speed).
 
@@ -24,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cannikin.demo.config import LR_SCHEDULES, TASKS
 from cannikin.runtime.quota import (
     DEFAULT_PERIOD_US,
     MIN_QUOTA_US,
@@ -124,6 +126,16 @@ def register(subparsers: Any) -> None:
                              "with a goodput-chosen batch; Cannikin with a goodput-chosen "
                              "batch), each until the held-out accuracy reaches this fraction, "
                              "e.g. 0.9, or the --epochs/--steps budget runs out")
+    parser.add_argument("--task", choices=TASKS, default="digits",
+                        help="digits: a small CNN on scikit-learn's handwritten digits "
+                             "(default); teacher: softmax regression on a random linear "
+                             "teacher's noisy labels (64 Gaussian features, 8192 training "
+                             "samples, best held-out accuracy ~86%%), whose gradient noise "
+                             "scale grows as it trains, so the goodput batch grows")
+    parser.add_argument("--lr-decay", choices=LR_SCHEDULES,
+                        help="divide the learning rate by 10 half way through the budget, "
+                             "counted in optimizer steps of B0 (steps: a plain LambdaLR) or "
+                             "in AdaScale's progress (progress); default: a constant rate")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG figure")
     parser.add_argument("--out", type=Path, metavar="DIR",
@@ -173,8 +185,8 @@ def _config(args: argparse.Namespace) -> Any:
     try:
         return DemoConfig(
             speeds=speeds, epochs=epochs, steps=args.steps, batch_size=args.batch_size,
-            adaptive_batch=args.adaptive_batch, target=args.target, seed=args.seed,
-            verbose=args.verbose,
+            adaptive_batch=args.adaptive_batch, target=args.target, task=args.task,
+            lr_decay=args.lr_decay, seed=args.seed, verbose=args.verbose,
             cpu_shares=_cpu_shares(speeds) if args.heterogeneity == "quota" else None,
         )
     except (ValueError, QuotaUnavailable) as err:

@@ -17,7 +17,16 @@ WORKERS_PER_CORE = 4
 """Emulated workers mostly sleep (they pad their compute to a target time), so a core holds
 a few of them; beyond four per core the real compute of one delays the others' padding."""
 WORKER_MEMORY_BYTES = 512 * 2**20
-"""Resident memory of one worker process (torch, gloo, the model and the digits data)."""
+"""Resident memory of one worker process (torch, gloo, the model and the task's data)."""
+TASKS = ("digits", "teacher")
+"""What the demo can train: scikit-learn's digits with a small CNN
+(:mod:`cannikin.demo.digits`), or softmax regression on a random teacher's labels, whose
+noise scale grows as it trains (:mod:`cannikin.demo.teacher`)."""
+LR_SCHEDULES = ("steps", "progress")
+"""What ``DemoConfig.lr_decay`` counts: optimizer steps (what a plain LambdaLR counts) or
+AdaScale's progress (B0-steps of statistical progress, ``model.scaler.progress``)."""
+LR_DECAY = 0.1
+"""The learning rate's factor after the decay (the classic step decay's tenth)."""
 
 
 def default_speeds(workers: int) -> tuple[float, ...]:
@@ -83,6 +92,14 @@ class DemoConfig:
     the loss spikes early in training and the even and Cannikin runs, which differ only in
     float summation order and the AdaScale factor of each epoch's partial batch, then end far
     apart; at 0.05 training is stable and they end close together."""
+    lr_decay: str | None = None
+    """Multiply the learning rate by :data:`LR_DECAY` once half the budget's steps of B0 have
+    passed, counted as one of :data:`LR_SCHEDULES` says; None: a constant rate. Under an
+    adaptive batch "steps" decays later than AdaScale intends (a step of B samples is worth
+    up to B/B0 steps of B0), "progress" when the statistical progress is there; the figures
+    of both are in docs/runtime.md."""
+    task: str = "digits"
+    """What to train, one of :data:`TASKS`."""
     seed: int = 0
     """Seed of the model initialisation, the data split and the sample order."""
     verbose: bool = False
@@ -130,7 +147,13 @@ class DemoConfig:
             raise ValueError(f"lr must be a positive finite number, got {self.lr}")
         if self.target is not None and not 0.0 < self.target < 1.0:
             raise ValueError(f"target accuracy {self.target} is not valid: give a fraction "
-                             "of the held-out images strictly between 0 and 1, e.g. 0.9")
+                             "of the held-out samples strictly between 0 and 1, e.g. 0.9")
+        if self.lr_decay is not None and self.lr_decay not in LR_SCHEDULES:
+            raise ValueError(f"lr_decay {self.lr_decay!r} is not valid: give one of "
+                             f"{', '.join(LR_SCHEDULES)} or None")
+        if self.task not in TASKS:
+            raise ValueError(f"task {self.task!r} is not valid: give one of "
+                             f"{', '.join(TASKS)}")
         if self.eval_every < 1:
             raise ValueError(f"eval_every must be >= 1, got {self.eval_every}")
         if self.cpu_shares is not None and len(self.cpu_shares) != n:
@@ -171,6 +194,12 @@ class DemoConfig:
             return self.steps * self.batch_size
         assert self.epochs is not None
         return self.epochs * train_size
+
+    def lr_factor(self, position: float, train_size: int) -> float:
+        """The learning rate's schedule factor at ``position`` (optimizer steps or progress,
+        as :attr:`lr_decay` says): :data:`LR_DECAY` from half the budget in steps of B0."""
+        half = self.sample_budget(train_size) / self.batch_size / 2
+        return LR_DECAY if self.lr_decay is not None and position >= half else 1.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

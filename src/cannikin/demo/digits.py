@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 
 TEST_FRACTION = 0.2
-FILE = "digits.npz"
 
 
 def save_digits_split(path: Path, seed: int) -> int:

@@ -13,6 +13,8 @@ from cannikin.metrics import json_safe
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 WORKER_LOG = "workers.log"
+SPLIT = "split.npz"
+"""The task's training and held-out arrays, saved by the parent for the workers."""
 
 
 def result_name(phase: str) -> str:

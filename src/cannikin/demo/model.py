@@ -1,9 +1,12 @@
-"""The demo's network: a small CNN for 8x8 digit images (it never touches torch.distributed)."""
+"""The demo's networks, one per task (they never touch torch.distributed)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from cannikin.demo import teacher
+from cannikin.demo.config import TASKS
 
 
 class DigitsCNN(nn.Module):
@@ -25,3 +28,13 @@ class DigitsCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.classifier(self.features(x))
         return logits
+
+
+def make_model(task: str) -> nn.Module:
+    """The network of ``task`` (see :data:`cannikin.demo.config.TASKS`): the CNN for the
+    digits, softmax regression (one linear layer) for the teacher's samples."""
+    if task == "digits":
+        return DigitsCNN()
+    if task == "teacher":
+        return nn.Linear(teacher.FEATURES, teacher.CLASSES)
+    raise ValueError(f"task {task!r} is not valid: give one of {', '.join(TASKS)}")

@@ -136,6 +136,8 @@ def build_report(
     }
     return {
         "phases": list(phases),
+        "task": config.task,
+        "lr_decay": config.lr_decay,
         "target": config.target,
         "time_to_target_vs": versus if config.target is not None else None,
         "workers": config.workers,
@@ -195,7 +197,8 @@ def table_rows(report: Mapping[str, Any]) -> list[tuple[str, ...]]:
             "speeds " + " ".join(f"{s:g}" for s in report["speeds"])),
         row("steps / samples", lambda p: f"{p['steps']} / {p['samples']}"),
         row("final training loss", lambda p: f"{p['final_loss']:.3f}"),
-        row("held-out accuracy", lambda p: _pct(p["accuracy"]), f"{report['test_size']} images"),
+        row("held-out accuracy", lambda p: _pct(p["accuracy"]), f"{report['test_size']} "
+            + ("images" if report["task"] == "digits" else f"{report['task']} samples")),
         row("epochs, all samples", complete, f"{n} per epoch"),
         row("samples used twice", lambda p: str(sum(p["repeated_samples_per_epoch"])),
             "exactly once"),

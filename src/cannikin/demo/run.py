@@ -11,17 +11,20 @@ from typing import Any
 
 from rich.console import Console
 
-from cannikin.demo import digits, files
+from cannikin.demo import files
 from cannikin.demo.config import DemoConfig
 from cannikin.demo.digits import save_digits_split
 from cannikin.demo.launch import run_local, torchrun_command, worker_env
 from cannikin.demo.metrics import JsonlTail, LineTail, read_jsonl
 from cannikin.demo.report import build_report
+from cannikin.demo.teacher import save_teacher_split
 from cannikin.runtime.quota import QuotaGroups
 
 logger = logging.getLogger(__name__)
 
 WORKER_MODULE = "cannikin.demo.worker"
+SAVE_SPLIT = {"digits": save_digits_split, "teacher": save_teacher_split}
+"""Each task's (path, seed) -> training-set size: writes the arrays the workers load."""
 
 
 def run_demo(
@@ -39,7 +42,7 @@ def run_demo(
     for stale in (files.METRICS, files.WORKER_LOG):
         (out_dir / stale).unlink(missing_ok=True)
     files.write_json(out_dir / files.CONFIG, config.to_json())
-    train_size = save_digits_split(out_dir / digits.FILE, config.seed)
+    train_size = SAVE_SPLIT[config.task](out_dir / files.SPLIT, config.seed)
     command = torchrun_command(
         config.workers, WORKER_MODULE,
         ["--config", str(out_dir / files.CONFIG), "--out", str(out_dir)],

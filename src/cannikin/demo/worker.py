@@ -1,6 +1,7 @@
-"""One demo worker, started by torchrun: trains the digits CNN with an even split, then with
-Cannikin, on the same samples, and writes what the parent needs to report. With a target
-accuracy an AdaptDL-like run comes between them, and each run stops at the target.
+"""One demo worker, started by torchrun: trains the task's network (the digits CNN by default)
+with an even split, then with Cannikin, on the same samples, and writes what the parent needs
+to report. With a target accuracy an AdaptDL-like run comes between them, and each run stops
+at the target.
 
 Run as ``python -m cannikin.demo.worker --config CONFIG.json --out DIR`` under torchrun. Files
 written into DIR (see :mod:`cannikin.demo.files`): rank 0 appends per-step metrics to the
@@ -27,11 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
 
-from cannikin.demo import digits, files
+from cannikin.demo import files
 from cannikin.demo.config import DemoConfig
-from cannikin.demo.data import DigitsSplit, load_digits_split
-from cannikin.demo.model import DigitsCNN
+from cannikin.demo.data import DataSplit, load_split
+from cannikin.demo.model import make_model
 from cannikin.log import setup_logging
 from cannikin.metrics import JsonlSink
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
@@ -62,18 +64,18 @@ def _evaluate(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[f
 
 class _TargetWatch:
     """The time-to-accuracy stop (``config.target``): every ``config.eval_every`` samples
-    rank 0 evaluates a copy of the weights on the held-out images (at full speed: the copy
+    rank 0 evaluates a copy of the weights on the held-out samples (at full speed: the copy
     carries no emulated slowdown), logs it, and tells every rank whether to stop. The time
     it takes is kept out of the run's training time, but the step after it is measured
     longer by its pause (a step time, not a compute time: the fits do not see it)."""
 
-    def __init__(self, config: DemoConfig, data: DigitsSplit, out: Path, phase: str,
+    def __init__(self, config: DemoConfig, data: DataSplit, out: Path, phase: str,
                  rank: int) -> None:
         self.config, self.data, self.rank = config, data, rank
         self.sink = (JsonlSink(out / files.METRICS, phase=phase, kind="eval")
                      if rank == 0 and config.target is not None else None)
         with torch.random.fork_rng():  # rank 0's draws must not differ from the others'
-            self.copy = DigitsCNN() if rank == 0 else None
+            self.copy = make_model(config.task) if rank == 0 else None
         self.next_eval = config.eval_every
         self.eval_s = 0.0
         self.reached = False
@@ -111,11 +113,22 @@ class _TargetWatch:
         return {"target": self.config.target, "evaluations": len(self.accuracies), **reached}
 
 
+def _lr_schedule(config: DemoConfig, optimizer: torch.optim.Optimizer,
+                 model: HeteroDataParallel, train_size: int) -> LambdaLR | None:
+    """``config.lr_decay``'s schedule, indexed by the optimizer steps (what LambdaLR counts)
+    or by AdaScale's progress (docs/runtime.md's pattern); None for a constant rate."""
+    if config.lr_decay is None:
+        return None
+    if config.lr_decay == "progress":
+        return LambdaLR(optimizer, lambda _: config.lr_factor(model.scaler.progress, train_size))
+    return LambdaLR(optimizer, lambda step: config.lr_factor(step, train_size))
+
+
 def _train_phase(
-    config: DemoConfig, ctx: DistContext, data: DigitsSplit, phase: str, split: str, out: Path
+    config: DemoConfig, ctx: DistContext, data: DataSplit, phase: str, split: str, out: Path
 ) -> None:
     torch.manual_seed(config.seed)
-    net = DigitsCNN()
+    net = make_model(config.task)
     optimizer = torch.optim.SGD(net.parameters(), lr=config.lr, momentum=MOMENTUM, nesterov=True)
     loader = HeteroDataLoader(data.train, batch_size=config.batch_size, seed=config.seed)
     if config.adapts_batch(split):
@@ -131,6 +144,7 @@ def _train_phase(
         replan_every=config.replan_every, metrics=sink, slowdown_profile=EMULATED_PROFILE,
     )
     budget = config.sample_budget(len(data.train))
+    scheduler = _lr_schedule(config, optimizer, model, len(data.train))
     seen = steps = 0
     indices: list[list[int]] = []
     target = _TargetWatch(config, data, out, phase, ctx.rank)
@@ -143,6 +157,8 @@ def _train_phase(
             loss = F.cross_entropy(model(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             total_batch = int(model.last_metrics["total_batch"])  # the same on every rank
             steps += 1
             seen += total_batch
@@ -210,8 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = init_distributed(backend="gloo")  # an emulated cluster of CPU workers, GPU or not
     setup_logging(ctx.rank, config.verbose)
     logger.info("process group ready %.1f s after the imports", time.perf_counter() - started)
-    data = load_digits_split(args.out / digits.FILE)
-    logger.info("digits loaded: %d training, %d held-out images", len(data.train),
+    data = load_split(args.out / files.SPLIT)
+    logger.info("%s loaded: %d training, %d held-out samples", config.task, len(data.train),
                 len(data.test_y))
     for phase, split in config.phases:
         _train_phase(config, ctx, data, phase, split, args.out)
