@@ -128,9 +128,9 @@ def _breakpoints(arr: ClusterArrays) -> _Breakpoints:
 
     Worker i's kinks are at ``tau_i(lo_i)``, ``tau_i(hi_i)`` and ``tau_i`` where two
     consecutive binding buckets' lines cross inside ``(lo_i, hi_i)``, or a bucket's line
-    and the CPU floor's (a crossing below the envelope is one more point, harmless). Between its own
-    kinks its supply is linear, so its slope changes only there; the sweep adds up those
-    changes in time order and integrates. O(R m' log(R m')) for R rows of
+    and the CPU floor's (a crossing below the envelope is one more point, harmless).
+    Between its own kinks its supply is linear, so its slope changes only there; the sweep
+    adds up those changes in time order and integrates. O(R m' log(R m')) for R rows of
     :class:`~cannikin.perf.ClusterArrays` (one per worker, or per number of passes where a
     worker accumulates micro-batches) and m' binding buckets.
     """

@@ -702,8 +702,7 @@ class HeteroDataParallel(nn.Module):
                                for w in self.planner.current.costly],
         }
         if self.planner.due(cycle.step):
-            self.planner.replan(cycle.step)
-            cycle.measure_from, cycle.prev_cpu = self.clock.mark(), time.process_time()
+            self._replan("cadence")
 
     def _follow_preconditioner(self) -> None:
         """When Adam's preconditioning starts (after its warm-up), this step's norms are the
@@ -721,11 +720,17 @@ class HeteroDataParallel(nn.Module):
             self.planner.noise.reset()
         cycle.preconditioned = active
 
+    def _replan(self, reason: str) -> None:
+        """Re-plan after this step, and start the next step's measured period after it
+        (:attr:`_Cycle.measure_from`)."""
+        self.planner.replan(self._cycle.step, reason)
+        self._cycle.measure_from, self._cycle.prev_cpu = self.clock.mark(), time.process_time()
+
     def _skip_step_after_oom(self, reports: Sequence[WorkerReport]) -> None:
         for rank, r in enumerate(reports):
             if r.oom:  # the largest pass is the one that did not fit
                 self.planner.lower_cap(rank, self.planner.passes(rank, r.batch)[0])
-        self.planner.replan(self._cycle.step, "out of memory")
+        self._replan("out of memory")
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None  # optimizers skip parameters without a gradient
