@@ -122,6 +122,18 @@ def test_own_cpu_limit_is_the_tightest_quota_above_the_process(tmp_path: Path,
     assert quota.own_cpu_limit(tmp_path / "missing", own) == quota.usable_cores()
 
 
+def test_own_cpu_limit_on_a_hybrid_host_reads_the_v1_quota(tmp_path: Path) -> None:
+    """v2 mounted first without the cpu controller, v1's cpu holding the quota."""
+    unified, cpu = tmp_path / "unified", tmp_path / "cpu"
+    (unified / "job").mkdir(parents=True)
+    _quota_dir(cpu / "job", 1, 0.25)
+    mounts = _mounts(tmp_path, f"cgroup2 {unified} cgroup2 rw,relatime 0 0",
+                     f"cgroup {cpu} cgroup rw,relatime,cpu 0 0")
+    own = tmp_path / "cgroup"
+    own.write_text("1:cpu:/job\n0::/job\n")
+    assert quota.own_cpu_limit(mounts, own) == 0.25
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_groups_are_made_with_the_quotas_and_joined_by_rank(tmp_path: Path,
                                                             version: int) -> None:

@@ -157,6 +157,7 @@ def own_cpu_limit(mounts: Path = Path("/proc/self/mounts"),
     except OSError:
         return cores
     v2_group = next((line[3:] for line in groups if line.startswith("0::")), None)
+    # every hierarchy that may hold a quota (a hybrid host mounts v1 and v2 side by side)
     for _, where, kind, options, *_ in (f for f in (line.split() for line in lines)
                                         if len(f) >= 4):
         if kind == "cgroup" and "cpu" in options.split(","):
@@ -173,7 +174,6 @@ def own_cpu_limit(mounts: Path = Path("/proc/self/mounts"),
             cores = min(cores, usable_cores(Hierarchy(version, directory)))
             if directory == root:
                 break
-        return cores
     return cores
 
 
