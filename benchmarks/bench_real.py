@@ -216,8 +216,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             "errors": errors, "plans": len(hdp.plan_history), "model_s": model_s,
             "cpu_ms": cpu_ms, "slowest_s": slowest_s,
             "costly": [[w.rank, w.cost_s, w.speedup] for w in hdp.plan_history[-1].costly],
-            "cpu_floors": [None if model is None else nd.cpu_floor for nd in (
-                model.nodes if model is not None else [None] * world)],
+            "cpu_floors": [nd.cpu_floor for nd in model.nodes] if model else [None] * world,
             "cpu_levels": [sorted(f.level_medians().items())
                            for f in hdp.planner.cpu_fitters],
             "tracker_window": tracker.median_window_error(),

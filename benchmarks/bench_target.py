@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cannikin.demo.config import TASKS
+
 PHASES = ("even", "adaptdl", "cannikin")
 TITLES = {"even": "DDP", "adaptdl": "AdaptDL-like", "cannikin": "Cannikin"}
 CLI = [sys.executable, "-c", "import sys; from cannikin.cli import main; sys.exit(main())"]
@@ -73,7 +75,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target", type=float, default=0.97)
     parser.add_argument("--epochs", type=int, default=20, help="budget per run")
-    parser.add_argument("--task", choices=("digits", "teacher"), default="digits")
+    parser.add_argument("--task", choices=TASKS, default="digits")
     args = parser.parse_args()
     if args.repeats < 1 or not 0 < args.target < 1:
         parser.error(f"need --repeats >= 1 (got {args.repeats}) and 0 < --target < 1 "

@@ -1082,10 +1082,9 @@ class Planner:
 
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
         """The same models with this config's bounds and caps applied."""
-        nodes = [NodeModel(fwd=n.fwd, bwd=n.bwd, min_batch=min_local,
-                           max_batch=self.config.cap_of(i), name=n.name, noise=n.noise,
-                           micro_batch=self.config.micro_cap(i),
-                           fixed_passes=self.config.micro_batches, cpu_floor=n.cpu_floor)
+        nodes = [dataclasses.replace(n, min_batch=min_local, max_batch=self.config.cap_of(i),
+                                     micro_batch=self.config.micro_cap(i),
+                                     fixed_passes=self.config.micro_batches)
                  for i, n in enumerate(cluster.nodes)]
         return ClusterModel(nodes=nodes, comm=cluster.comm)
 
