@@ -17,6 +17,10 @@ starts with one untimed step of its own, so that none is timed on the previous o
   cost without its planning (re-plans, probes, trials); at the other two, the steps that
   Cannikin's model must predict away from the split in use.
 
+Cannikin's steps call ``model.backward(loss)``, which puts each rank's weight b_i / B in the
+backward's seed; one more configuration, Cannikin held at its split with a plain
+``loss.backward()``, shows what that saves (the hook then scales every gradient).
+
 Cannikin's model as fitted by the end predicts every configuration's step; its error is
 reported against the held runs (the model describes Cannikin's steps) and against plain
 DDP's. Each rank's process CPU per step (every thread) shows where the runtime's own work
@@ -63,6 +67,8 @@ SHARES = (1.0, 0.5, 0.25)
 TOTAL = 480
 WIDTH = 1024
 LR = 0.05
+PLAIN_BACKWARD = "Cannikin held, loss.backward()"
+"""Cannikin held at its split with the weight applied by the hook, not the backward's seed."""
 SWEEP = [(TOTAL - mid - slow, mid, slow) for slow in (0, 30, 60) for mid in (90, 120, 150, 180)]
 """Fixed splits (fastest, middle, slowest): the slowest gets 0 to 60 samples."""
 
@@ -131,7 +137,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
     def hdp_step() -> None:
         x, y = next(batches)
         hdp_opt.zero_grad()
-        F.cross_entropy(hdp(x), y).backward()
+        hdp.backward(F.cross_entropy(hdp(x), y))
         hdp_opt.step()
         p = hdp.last_metrics.get("predicted_step_time_s")
         if p is not None:
@@ -150,10 +156,14 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
     held = HeteroDataParallel(held_net, held_opt, held_loader, split="optimal", slowdown=None)
     held_batches = (batch for _ in range(100_000) for batch in held_loader)
 
-    def held_step() -> None:
+    def held_step(seeded: bool = True) -> None:
         x, y = next(held_batches)
         held_opt.zero_grad()
-        F.cross_entropy(held(x), y).backward()
+        loss = F.cross_entropy(held(x), y)
+        if seeded:
+            held.backward(loss)
+        else:
+            loss.backward()
         held_opt.step()
 
     away = _two_x_away(cannikin_split)
@@ -165,7 +175,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
     configs.update({"DDP " + "/".join(map(str, s)): s for s in SWEEP if s not in
                     (even, cannikin_split)})
     pinned = {"Cannikin held at its split": cannikin_split, "Cannikin held even": even,
-              "Cannikin held 2x away": away}
+              "Cannikin held 2x away": away, PLAIN_BACKWARD: cannikin_split}
     configs.update(pinned)
     names = list(configs)
     blocks: dict[str, list[float]] = {name: [] for name in names}
@@ -176,7 +186,8 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             split = configs[name]
             if name in pinned:
                 held.pin_split(split)
-            step = hdp_step if split is None else held_step if name in pinned else (
+            step = hdp_step if split is None else (
+                lambda seeded=name != PLAIN_BACKWARD: held_step(seeded)) if name in pinned else (
                 lambda split=split: ddp_step(split))
             if split is None or name in pinned:
                 with torch.no_grad():  # marks the other blocks as a pause between steps:
@@ -275,7 +286,7 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
         return abs(model_s[name] - medians[name]) / medians[name]
 
     if model_s["Cannikin"] is not None:
-        held = [n for n in medians if n.startswith("Cannikin held")]
+        held = [n for n in medians if n.startswith("Cannikin held") and n != PLAIN_BACKWARD]
         print("Cannikin's final model against Cannikin held at a split: "
               + ", ".join(f"{n.removeprefix('Cannikin held ')} {100 * error(n):.1f}%"
                           for n in held))
@@ -314,9 +325,11 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
     print(f"Cannikin's own tracker (warm-up included): window median "
           f"{100 * result['tracker_window']:.1f}%, step median {100 * result['tracker_step']:.1f}%")
     ddp_at = medians["DDP at Cannikin's split"]
-    print(f"Cannikin / plain DDP at the same split: {medians['Cannikin'] / ddp_at:.2f}x the step "
+    print(f"Cannikin / plain DDP at the same split: {medians['Cannikin'] / ddp_at:.3f}x the step "
           f"time; Cannikin held there / plain DDP: "
-          f"{medians['Cannikin held at its split'] / ddp_at:.2f}x")
+          f"{medians['Cannikin held at its split'] / ddp_at:.3f}x, with loss.backward(): "
+          f"{medians[PLAIN_BACKWARD] / ddp_at:.3f}x; held even / DDP even: "
+          f"{medians['Cannikin held even'] / medians['DDP even']:.3f}x")
 
 
 def main() -> int:

@@ -22,7 +22,8 @@ from dist_utils import WORKERS, run_torchrun
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
           "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
           "adam_noise_reset", "noise_stride", "amp", "ddp_habits", "attach_later",
-          "model_output", "step_timeout", "accumulate", "pinned_split", "replan_not_measured"]
+          "model_output", "step_timeout", "accumulate", "pinned_split", "replan_not_measured",
+          "seeded_backward"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -297,3 +298,21 @@ def test_accumulated_passes_follow_the_caps(figures: dict[str, Any]) -> None:
     assert sum(s[2] > max(s[:2]) for s in planned) > len(planned) / 2, splits
     amp = figures["accumulate"]["amp_autoscale"]  # GradScaler at 2^10, goodput-chosen B
     assert amp["steps"] > 0 and all(24 <= t <= 144 for t in amp["totals"]), amp["totals"]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_seeded_backward_trains_as_a_plain_one(figures: dict[str, Any],
+                                                   optimizer: str) -> None:
+    """model.backward(loss) puts b_i / B in the seed (a rank at 0 samples among them):
+    every step's gradient is one process's, and training and noise scale match
+    loss.backward()'s, whose weight the hook applies."""
+    plain = figures["seeded_backward"][f"{optimizer}_plain"]
+    seeded = figures["seeded_backward"][f"{optimizer}_seeded"]
+    assert plain["rel_err"] < 1e-5 and seeded["rel_err"] < 1e-5
+    drift = max(abs(a - b) for a, b in zip(plain["params"], seeded["params"], strict=True))
+    # the two differ by rounding (w x g against g then x w); Adam divides each element by
+    # its own root mean square, so an element whose gradient is near 0 magnifies it
+    assert drift < (1e-5 if optimizer == "sgd" else 1e-3) * max(map(abs, plain["params"]))
+    assert plain["noise_scale"] is not None
+    assert seeded["noise_scale"] == pytest.approx(plain["noise_scale"], rel=1e-4)
+    assert "a loss of shape (" in seeded["refused"] and "gradient=" in seeded["refused"]

@@ -490,6 +490,51 @@ def check_noise_stride() -> dict[str, Any]:
     return {"updates": _noise_updates(model, opt, loader, steps=18), "stride": NORM_STRIDE}
 
 
+def _seeded_run(optimizer: str, seeded: bool, steps: int = 40) -> dict[str, Any]:
+    """Train on a split with a rank at 0 samples, the loss through ``model.backward(loss)``
+    (``seeded``) or ``loss.backward()``; each step's gradient against one process's."""
+    data = _blobs(60 * steps)  # one epoch
+    net = _classifier()
+    opt = (torch.optim.Adam(net.parameters(), lr=1e-2) if optimizer == "adam"
+           else torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    loader = HeteroDataLoader(data, batch_size=60, seed=6)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
+                               lr_scaling="adamscale" if optimizer == "adam" else "adascale")
+    split = [22, 0, 38][:dist.get_world_size()]  # the figures are rank 0's: it has samples
+    split[-1] += 60 - sum(split)
+    model.pin_split(split)
+    worst, refused = 0.0, ""
+    for step, (x, y, idx) in enumerate(loader):
+        if step == steps:
+            break
+        opt.zero_grad()
+        logits = model(x)
+        if seeded and step == 0:
+            try:
+                model.backward(F.cross_entropy(logits, y, reduction="none"))
+            except RuntimeError as error:
+                refused = str(error)
+        loss = F.cross_entropy(logits, y)
+        if seeded:
+            model.backward(loss)
+        else:
+            loss.backward()
+        worst = max(worst, _gradient_error(net, copy.deepcopy(net), data, idx,
+                                           torch.device("cpu")))
+        opt.step()
+    model.remove_hooks()
+    return {"rel_err": worst, "noise_scale": model.noise_scale, "refused": refused,
+            "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()}
+
+
+def check_seeded_backward() -> dict[str, Any]:
+    """``model.backward(loss)`` (b_i / B in the backward's seed, the hook scales nothing)
+    against ``loss.backward()`` (the hook scales): one process's gradient, and the same
+    training and noise scale, with SGD and with Adam's preconditioned norms."""
+    return {f"{opt}_{'seeded' if seeded else 'plain'}": _seeded_run(opt, seeded)
+            for opt in ("sgd", "adam") for seeded in (False, True)}
+
+
 class OomOnRank1(nn.Module):
     """Raises CUDA's out-of-memory error on rank 1 for local batches above 15. ``full``: a
     BatchNorm1d inside (buffers DDP broadcasts before every forward) and the loss computed

@@ -71,6 +71,9 @@ class CommState:
     weight: float = 1.0
     transform: GradTransform | None = None
     capture_sqnorm: bool = True
+    seeded: bool = False
+    """The backward running was seeded with ``weight`` (HeteroDataParallel.backward): the
+    buckets already hold b_i / B times the local gradient, and the hook does not scale them."""
     sqnorm_scale: float = 1.0
     """The local mean gradient over the bucket's: its |g_i|^2 is this squared times the
     bucket's (not 1 when the bucket holds passes accumulated, see ``begin_pass``)."""
@@ -207,23 +210,27 @@ class CommState:
         return carrier
 
     def _add_local(self, bucket: GradBucket) -> None:
-        self._add_sqnorm(self.local_parts, bucket, bucket.buffer())
+        # a seeded bucket holds weight x the local gradient (transform is linear in it)
+        scale = self.weight ** -2 if self.seeded else 1.0
+        self._add_sqnorm(self.local_parts, bucket, bucket.buffer(), scale)
 
     def _add_global(self, bucket: GradBucket, reduced: torch.Tensor) -> None:
         self._add_sqnorm(self.global_parts, bucket, reduced)
 
     def _add_sqnorm(self, parts: list[torch.Tensor], bucket: GradBucket,
-                    flat: torch.Tensor) -> None:
-        """|transform(flat)|^2 into ``parts``; ``flat`` is laid out as the bucket's buffer
-        (each gradient a view of it, found by its offset)."""
+                    flat: torch.Tensor, scale: float = 1.0) -> None:
+        """``scale`` |transform(flat)|^2 into ``parts``; ``flat`` is laid out as the bucket's
+        buffer (each gradient a view of it, found by its offset)."""
         if self.transform is None:
-            parts.append(_sqnorm(flat))
-            return
-        base, size = bucket.buffer().data_ptr(), flat.element_size()
-        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            start = (grad.data_ptr() - base) // size
-            part = flat[start:start + grad.numel()].view(grad.shape)
-            parts.append(_sqnorm(self.transform(param, part).detach().reshape(-1)))
+            found = [_sqnorm(flat)]
+        else:
+            found = []
+            base, size = bucket.buffer().data_ptr(), flat.element_size()
+            for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                start = (grad.data_ptr() - base) // size
+                part = flat[start:start + grad.numel()].view(grad.shape)
+                found.append(_sqnorm(self.transform(param, part).detach().reshape(-1)))
+        parts.extend(found if scale == 1.0 else [part * scale for part in found])
 
 
 @dataclass
@@ -275,7 +282,8 @@ def decode_rows(encoded: np.ndarray) -> np.ndarray:
 def weighted_allreduce_hook(
     state: CommState, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Scale the bucket by b_i / B and all-reduce it with a sum.
+    """Scale the bucket by b_i / B (unless a seeded backward did, ``state.seeded``) and
+    all-reduce it with a sum.
 
     A worker with b_i = 0 contributes zeros. ``state.rows`` travels at the tail of
     bucket ``state.carrier_slot`` (see the module docstring); that bucket is scaled into
@@ -292,11 +300,12 @@ def weighted_allreduce_hook(
     rows = state.rows if slot == state.carrier_slot else None
     extra = None if rows is None else encoded_size(rows, buffer.dtype)
     size = buffer.numel()
+    factor = 1.0 if state.seeded else state.weight
     if rows is None or extra is None:
-        send = _scaled(buffer, state.weight, out=buffer)
+        send = _scaled(buffer, factor, out=buffer)
     else:
         send = state.carrier_for(buffer, extra)
-        _scaled(buffer, state.weight, out=send[:size])
+        _scaled(buffer, factor, out=send[:size])
         _write_rows(rows, send[size:])
     work = _all_reduce_unstashed(send, state.group)
     if rows is not None and extra is None:

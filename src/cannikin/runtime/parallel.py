@@ -544,6 +544,32 @@ class HeteroDataParallel(nn.Module):
             self.comm.rows = self._exchange_rows()  # sent with a gradient bucket
         return out
 
+    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None,
+                 **kwargs: Any) -> None:
+        """``loss.backward(gradient, **kwargs)``, the same gradients, with this rank's weight
+        b_i / B in the backward's seed: the hook then all-reduces the buckets as they are,
+        where after a plain ``loss.backward()`` it scales every gradient once more (a pass
+        over all of them: ~0.3 ms per step for 1.1 M float32 parameters on one CPU core,
+        paid at the slowest worker's speed). The hook scales as before where the seed
+        cannot carry the weight: outside a step of the loader, on a step of several
+        micro-batches (their passes are weighed by size) and on a rank with 0 samples."""
+        cycle = self._cycle
+        weight = self.comm.weight
+        if not (cycle.stepping and len(cycle.passes) == 1 and weight > 0.0):
+            loss.backward(gradient, **kwargs)  # type: ignore[no-untyped-call]
+            return
+        if gradient is None:
+            if loss.numel() != 1:
+                raise RuntimeError(f"model.backward(loss) of a loss of shape "
+                                   f"{tuple(loss.shape)}: a gradient is implied only for a "
+                                   f"scalar loss (reduce it, or pass gradient=)")
+            gradient = torch.ones_like(loss)
+        self.comm.seeded = True
+        try:
+            loss.backward(gradient * weight, **kwargs)  # type: ignore[no-untyped-call]
+        finally:
+            self.comm.seeded = False
+
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
         cycle = self._cycle
         if cycle.pass_index == 0:
