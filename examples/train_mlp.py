@@ -79,7 +79,7 @@ def main() -> None:
             xb, yb = xb.to(ctx.device), yb.to(ctx.device)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
+            model.backward(loss)  # loss.backward(), the weight b_i / B in its seed
             optimizer.step()
             if len(xb):  # a final partial batch smaller than the workers leaves some empty
                 total, count = total + float(loss.detach()) * len(xb), count + len(xb)

@@ -155,7 +155,7 @@ def _train_phase(
         for x, y, index in loader:
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
+            model.backward(loss)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
