@@ -121,6 +121,17 @@ class CannikinAccelerator(Accelerator):
         prepared.split_batches = True
         return prepared
 
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Through the prepared model's :meth:`HeteroDataParallel.backward` (its weight
+        b_i / B in the backward's seed, one pass over the gradients less) where exactly one
+        model is prepared; Accelerate's otherwise. Accelerate's own would divide by
+        ``gradient_accumulation_steps`` and scale for mixed precision, both refused here."""
+        models = self._attached()
+        if len(models) != 1 or kwargs.get("learning_rate") is not None:
+            super().backward(loss, **kwargs)
+            return
+        models[0].backward(loss, **kwargs)
+
     def gather(self, tensor: Any) -> Any:
         """Accelerate's gather where the ranks' tensors may differ in their first dimension
         (each rank's local batch): every rank's rows, in rank order. One more small
