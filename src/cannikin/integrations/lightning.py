@@ -212,10 +212,17 @@ class CannikinStrategy(DDPStrategy):
                  **kwargs: Any) -> Tensor:
         """Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` (the mean
         of k equal batches); the passes here are weighed by their sizes (the rescale
-        between passes and the all-reduce's ``b_i / B``), so the loss goes back whole."""
+        between passes and the all-reduce's ``b_i / B``), so the loss goes back whole. A
+        step of one pass carries its weight ``b_i / B`` in the loss, so the all-reduce hook
+        need not scale the gradients (:meth:`HeteroDataParallel.weighted_backward`)."""
         if self._passes > 1:
             closure_loss = closure_loss * self._passes
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._wrapped is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        with self._wrapped.weighted_backward() as weight:
+            weighted = closure_loss if weight is None else closure_loss * weight
+            super().backward(weighted, optimizer, *args, **kwargs)
+        return closure_loss
 
     def reduce(self, tensor: Tensor, group: Any | None = None,
                reduce_op: Any | None = "mean") -> Tensor:

@@ -27,7 +27,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -550,23 +551,35 @@ class HeteroDataParallel(nn.Module):
         b_i / B in the backward's seed: the hook then all-reduces the buckets as they are,
         where after a plain ``loss.backward()`` it scales every gradient once more (a pass
         over all of them: ~0.3 ms per step for 1.1 M float32 parameters on one CPU core,
-        paid at the slowest worker's speed). The hook scales as before where the seed
-        cannot carry the weight: outside a step of the loader, on a step of several
-        micro-batches (their passes are weighed by size) and on a rank with 0 samples."""
-        cycle = self._cycle
-        weight = self.comm.weight
+        paid at the slowest worker's speed). See :meth:`weighted_backward` for where the
+        hook scales as before."""
+        with self.weighted_backward() as weight:
+            if weight is None:
+                loss.backward(gradient, **kwargs)  # type: ignore[no-untyped-call]
+                return
+            if gradient is None:
+                if loss.numel() != 1:
+                    raise RuntimeError(f"model.backward(loss) of a loss of shape "
+                                       f"{tuple(loss.shape)}: a gradient is implied only for "
+                                       f"a scalar loss (reduce it, or pass gradient=)")
+                gradient = torch.ones_like(loss)
+            loss.backward(gradient * weight, **kwargs)  # type: ignore[no-untyped-call]
+
+    @contextmanager
+    def weighted_backward(self) -> Iterator[float | None]:
+        """For a backward that other code runs (Lightning's): yields the weight b_i / B to
+        multiply the loss by, and the backward run inside takes the buckets as weighted
+        already; or None, and the loss stays as it is (the hook weighs the buckets): outside
+        a step of the loader, on a step of several micro-batches (their passes are weighed
+        by size) and on a rank with 0 samples (its bucket is zeroed: the mean loss of no
+        samples is NaN)."""
+        cycle, weight = self._cycle, self.comm.weight
         if not (cycle.stepping and len(cycle.passes) == 1 and weight > 0.0):
-            loss.backward(gradient, **kwargs)  # type: ignore[no-untyped-call]
+            yield None
             return
-        if gradient is None:
-            if loss.numel() != 1:
-                raise RuntimeError(f"model.backward(loss) of a loss of shape "
-                                   f"{tuple(loss.shape)}: a gradient is implied only for a "
-                                   f"scalar loss (reduce it, or pass gradient=)")
-            gradient = torch.ones_like(loss)
         self.comm.seeded = True
         try:
-            loss.backward(gradient * weight, **kwargs)  # type: ignore[no-untyped-call]
+            yield weight
         finally:
             self.comm.seeded = False
 
