@@ -209,9 +209,10 @@ class HeteroDataParallel(nn.Module):
     beyond the caps, or a faster step); iterate :meth:`HeteroDataLoader.steps` then.
     ``micro_batches``: every step of every worker in exactly this many (for a loop that
     counts batches: Lightning's ``accumulate_grad_batches``), :class:`PlannerConfig`'s.
-    ``recover_backward_oom``: :meth:`backward` recovers from an out-of-memory in backward
-    (the per-step exchange then rides the last gradient bucket; torch >= 2.4); None (the
-    default): where any worker's model is on a GPU and torch allows. The same on every rank.
+    ``recover_backward_oom``: :meth:`backward` (and :meth:`weighted_backward`) recover from
+    a CUDA out-of-memory in the backward (the per-step exchange then rides the last gradient
+    bucket; torch >= 2.4); None (the default): where any worker's model is on a GPU and
+    torch allows. The same on every rank.
     ``slowdown``: heterogeneity
     emulation factor for this rank; None reads ``CANNIKIN_SLOWDOWN`` if it is set.
     ``slowdown_profile``: (fixed_s, per_sample_s) of the emulated reference device's
@@ -367,8 +368,8 @@ class HeteroDataParallel(nn.Module):
     def _gather_identity(self, max_local_batch: int | Sequence[int | None] | None,
                          device_name: str | None, recover_backward_oom: bool | None,
                          ) -> tuple[tuple[int | None, ...], tuple[str, ...], bool]:
-        """Every rank's memory cap and device name, and whether :meth:`backward` recovers
-        from an out-of-memory (one all-gather at start-up)."""
+        """Every rank's memory cap and device name, and whether a backward's out-of-memory
+        is recovered from (one all-gather at start-up)."""
         if isinstance(max_local_batch, Sequence):
             if len(max_local_batch) != self.world_size:
                 raise ValueError(f"max_local_batch has {len(max_local_batch)} entries, expected "
