@@ -656,7 +656,7 @@ def _oom_backward(where: int, batch_size: int, from_step: int, *, split: str = "
                                nn.Linear(64, 4)]
     if batchnorm:
         layers.insert(1, nn.BatchNorm1d(64))
-    ref = copy.deepcopy(nn.Sequential(*layers))
+    ref = copy.deepcopy(nn.Sequential(*layers)).to(device)
     points = {1: (where, OomInBackward(from_step, forward_pass))}
     if also is not None:
         points[2] = (also, OomInBackward(from_step, rank=2))
