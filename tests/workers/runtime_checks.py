@@ -36,8 +36,8 @@ from cannikin.runtime.step_timeout import StepTimeout, TimeoutRule, group_timeou
 from cannikin.runtime.timing import CpuClock
 from hf_like import ModelOutputLike
 
-SPLITS = [(3, 11, 50), (50, 3, 11), (0, 30, 34)]
-CPU = torch.device("cpu")  # uneven, permuted, and one empty worker
+SPLITS = [(3, 11, 50), (50, 3, 11), (0, 30, 34)]  # uneven, permuted, and one empty worker
+CPU = torch.device("cpu")
 IN, OUT = 8, 5
 
 
@@ -616,6 +616,11 @@ class OomInBackward(nn.Module):
         self.model: HeteroDataParallel | None = None
         self.failures: list[tuple[int, int, int]] = []
 
+    def watch(self, model: HeteroDataParallel) -> None:
+        """Read ``model``'s steps, buckets and passes; not as a submodule (the model wraps
+        this module: a cycle in the module tree)."""
+        object.__setattr__(self, "model", model)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.forward_pass is None:
             out: torch.Tensor = _FailInBackward.apply(x, self)
@@ -671,7 +676,7 @@ def _oom_backward(where: int, batch_size: int, from_step: int, *, split: str = "
                                max_micro_batches=passes, recover_backward_oom=True,
                                bucket_cap_mb=0.001, **ddp_kwargs)
     for _, point in points.values():
-        point.model = model
+        point.watch(model)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10) if overflow else None
     seen: list[int] = []
     updates = skipped = 0
