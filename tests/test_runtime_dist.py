@@ -20,10 +20,10 @@ import torch
 from dist_utils import WORKERS, run_torchrun
 
 CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gradient",
-          "exchange", "oom_retry", "oom_retry_batchnorm", "train_hetero", "eval_between_steps",
-          "adam_noise_reset", "noise_stride", "amp", "ddp_habits", "attach_later",
-          "model_output", "step_timeout", "accumulate", "pinned_split", "replan_not_measured",
-          "seeded_backward"]
+          "exchange", "oom_retry", "oom_retry_batchnorm", "oom_backward", "train_hetero",
+          "eval_between_steps", "adam_noise_reset", "noise_stride", "amp", "ddp_habits",
+          "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
+          "replan_not_measured", "seeded_backward"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -48,7 +48,7 @@ def cuda_figures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if not torch.cuda.is_available():
         pytest.skip(NO_CUDA)
     return _launch(tmp_path_factory.mktemp("cuda") / "figures.json",
-                   ["cuda_hdp_gradient", "cuda_train_hetero", "syncbn"])
+                   ["cuda_hdp_gradient", "cuda_train_hetero", "syncbn", "cuda_oom_backward"])
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,49 @@ def test_oom_lowers_cap_and_retries_every_sample(figures: dict[str, Any], check:
     assert oom["split"][1] <= 15 and sum(oom["split"]) == 60
     assert oom["samples"] == oom["distinct"] == 300  # each sample trained on exactly once
     assert oom["updates"] == 5
+
+
+@pytest.mark.parametrize("case", ["before", "after", "passes", "amp", "forward_pass",
+                                  "two_ranks", "batchnorm"])
+def test_oom_in_backward_redoes_the_step_with_a_smaller_batch(figures: dict[str, Any],
+                                                              case: str) -> None:
+    _assert_redone(figures["oom_backward"][case], case)
+
+
+@pytest.mark.parametrize("case", ["after", "amp"])
+def test_oom_in_backward_redoes_the_step_on_the_gpu(cuda_figures: dict[str, Any],
+                                                    case: str) -> None:
+    _assert_redone(cuda_figures["oom_backward"][case], case)
+
+
+def _assert_redone(got: dict[str, Any], case: str) -> None:
+    assert got["cap"] is not None and got["cap"] <= 15  # rank 1 fails above 15
+    # each sample once (but those of a step AMP's GradScaler skipped)
+    assert got["samples"] == got["distinct"] == got["dataset"]
+    if case != "batchnorm":  # (BatchNorm: each worker's statistics, not one process's)
+        assert got["param_err"] < 1e-5  # the parameters of one process on the same steps
+    # (buckets all-reduced at the failure, micro-batch, micro-batches of the step)
+    failures = got["failures"]
+    # one step skipped per failure ("passes": two in the same step)
+    assert got["updates"] == got["steps"] and got["skipped"] == len(failures) - (case == "passes")
+    if case == "before":
+        assert got["buckets"] > 1 and all(f[0] == 0 for f in failures), got
+    elif case in ("after", "batchnorm"):
+        assert got["buckets"] == 3 and failures == [[2, 0, 1], [2, 0, 1]], got
+    elif case == "two_ranks":  # rank 2 before any bucket, in the same steps
+        assert got["buckets"] == 3 and failures == [[2, 0, 1], [2, 0, 1]], got
+        assert got["failures_2"] == [[0, 0, 1], [0, 0, 1]] and got["cap_2"] <= 15, got
+    elif case == "amp":  # the first failure's step overflowed: skipped without a lower cap
+        assert got["buckets"] == 3 and failures == [[2, 0, 1]] * 3, got
+    elif case == "forward_pass":  # in forward (the placeholder), at the second micro-batch
+        assert failures == [[0, 1, 2]], got
+    else:  # the step's first micro-batch (DDP's no_sync: nothing all-reduced), then its last
+        assert got["buckets"] == 3 and failures == [[0, 0, 2], [2, 1, 2]], got
+
+
+def test_ranks_must_agree_on_backward_oom_recovery(figures: dict[str, Any]) -> None:
+    refused = figures["oom_backward"]["refused"]
+    assert refused is not None and "[False, True, False]" in refused, refused
 
 
 def test_a_pinned_split_holds_exactly_until_released(figures: dict[str, Any]) -> None:

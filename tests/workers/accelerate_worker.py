@@ -60,10 +60,50 @@ def follow_speeds(accelerator: CannikinAccelerator) -> dict[str, Any]:
     return {"epoch_samples": [sorted(e) for e in epochs], "splits": splits}
 
 
+class _OomInBackward(torch.autograd.Function):
+    """The identity; its backward raises CUDA's out-of-memory error on rank 1 for more than
+    15 samples, from inside autograd."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 1 and len(grad) > 15:
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory in backward")
+        return grad
+
+
+class OomInBackward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _OomInBackward.apply(x)
+        return out
+
+
+def oom_in_backward(accelerator: CannikinAccelerator) -> dict[str, Any]:
+    """An epoch of steps of 40, rank 1 out of memory in backward above 15 samples:
+    ``accelerator.backward`` redoes the step; every sample once."""
+    net = nn.Sequential(*classifier(), OomInBackward())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(blobs(160), batch_size=40, seed=5)
+    model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+    seen: list[int] = []
+    for x, y, idx in loader:
+        optimizer.zero_grad()
+        before = model.step
+        accelerator.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        if model.step > before:
+            seen += accelerator.gather(idx).tolist()
+    return {"samples": sorted(seen), "cap": model.planner.config.caps[1]}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out, folder = Path(sys.argv[1]), Path(sys.argv[2])
-    accelerator = CannikinAccelerator(cpu=True, split="even", max_local_batch=[5, None])
+    accelerator = CannikinAccelerator(cpu=True, split="even", max_local_batch=[5, None],
+                                      recover_backward_oom=True)
     data = blobs()
     net = classifier()
     reference = copy.deepcopy(net)
@@ -111,6 +151,7 @@ def main() -> None:
     after = model.step
     accelerator.load_state(location)
     speeds = follow_speeds(accelerator)
+    oom = oom_in_backward(accelerator)
     refused = {}
     try:
         CannikinAccelerator(cpu=True, gradient_accumulation_steps=2)
@@ -123,7 +164,8 @@ def main() -> None:
         refused["no_loader"] = str(error)
     results = {"rel_err": worst, "splits": splits, "loss_err": loss_err,
                "gathered_in_order": gathered_in_order, "schedule_steps": schedule_steps,
-               "speeds": speeds, "unwrapped_is_net": accelerator.unwrap_model(model) is net,
+               "speeds": speeds, "oom": oom,
+               "unwrapped_is_net": accelerator.unwrap_model(model) is net,
                "saved_step": saved[0]["runtime"]["step"], "step_before_load": after,
                "step_after_load": model.step, "refused": refused,
                "is_hdp": isinstance(model, HeteroDataParallel)}

@@ -37,6 +37,7 @@ from cannikin.runtime.timing import CpuClock
 from hf_like import ModelOutputLike
 
 SPLITS = [(3, 11, 50), (50, 3, 11), (0, 30, 34)]  # uneven, permuted, and one empty worker
+CPU = torch.device("cpu")
 IN, OUT = 8, 5
 
 
@@ -585,6 +586,173 @@ def _oom_retry(net: OomOnRank1) -> dict[str, Any]:
     everyone = _all_indices(seen)
     return {"updates": updates, "distinct": len(set(everyone)), "samples": len(everyone),
             "cap": model.planner.config.caps[1], "split": list(model.plan.local_batches)}
+
+
+class _FailInBackward(torch.autograd.Function):
+    """The identity; its backward asks ``point`` first (which may raise)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, point: OomInBackward) -> torch.Tensor:
+        ctx.point = point
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.point.reached(len(grad))
+        return grad, None
+
+
+class OomInBackward(nn.Module):
+    """Where the backward raises CUDA's out-of-memory error on ``rank`` for more than 15
+    samples, from inside autograd, once ``model`` has taken ``from_step`` steps (with
+    ``forward_pass``: in the forward of that micro-batch instead). ``failures`` records each:
+    the gradient buckets ``model`` had all-reduced by then, the pass and the step's passes."""
+
+    def __init__(self, from_step: int, forward_pass: int | None = None, rank: int = 1) -> None:
+        super().__init__()
+        self.rank = rank
+        self.from_step = from_step
+        self.forward_pass = forward_pass
+        self.model: HeteroDataParallel | None = None
+        self.failures: list[tuple[int, int, int]] = []
+
+    def watch(self, model: HeteroDataParallel) -> None:
+        """Read ``model``'s steps, buckets and passes; not as a submodule (the model wraps
+        this module: a cycle in the module tree)."""
+        object.__setattr__(self, "model", model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.forward_pass is None:
+            out: torch.Tensor = _FailInBackward.apply(x, self)
+            return out
+        assert self.model is not None
+        if self.model._cycle.pass_index == self.forward_pass:
+            self.reached(len(x))
+        return x
+
+    def reached(self, batch: int) -> None:
+        assert self.model is not None
+        if dist.get_rank() == self.rank and batch > 15 and self.model.step >= self.from_step:
+            cycle = self.model._cycle
+            self.failures.append((len(self.model.comm.reductions), cycle.pass_index,
+                                  len(cycle.passes)))
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory in backward")
+
+
+def _oom_backward(where: int, batch_size: int, from_step: int, *, split: str = "optimal",
+                  caps: list[int | None] | None = None, passes: int = 1,
+                  overflow: bool = False, forward_pass: int | None = None,
+                  device: torch.device = CPU, also: int | None = None,
+                  batchnorm: bool = False, **ddp_kwargs: Any) -> dict[str, Any]:
+    """Rank 1 runs out of memory in backward above 15 samples from step ``from_step`` on,
+    ``where`` modules from the output of an MLP whose every layer is a gradient bucket of
+    its own once DDP rebuilt its buckets after the first step (one before); the
+    run goes on through ``model.backward``, and its parameters against one process's
+    trained on the union of each step that was taken (SGD with momentum). ``overflow``:
+    through AMP's GradScaler, with an infinite loss on the other ranks at the first failure:
+    the scaler skips that step on every rank (its samples are not trained on), rank 1 too,
+    whose own gradient is finite. ``also``: rank 2 fails as well, ``also`` modules from the
+    output. ``batchnorm``: a BatchNorm1d after the first layer (its statistics are each
+    worker's, so the parameters are not one process's)."""
+    steps = 4
+    data = _blobs(batch_size * (steps + overflow))
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                               nn.Linear(64, 4)]
+    if batchnorm:
+        layers.insert(1, nn.BatchNorm1d(64))
+    ref = copy.deepcopy(nn.Sequential(*layers)).to(device)
+    points = {1: (where, OomInBackward(from_step, forward_pass))}
+    if also is not None:
+        points[2] = (also, OomInBackward(from_step, rank=2))
+    modules = list(layers)
+    for at, point in sorted(points.values(), key=lambda p: p[0]):  # nearest the output first
+        modules.insert(len(layers) - at, point)
+    net = nn.Sequential(*modules).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    loader = HeteroDataLoader(data, batch_size=batch_size, seed=2)
+    model = HeteroDataParallel(net, opt, loader, split=split, max_local_batch=caps,
+                               max_micro_batches=passes, recover_backward_oom=True,
+                               bucket_cap_mb=0.001, **ddp_kwargs)
+    for _, point in points.values():
+        point.watch(model)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10) if overflow else None
+    seen: list[int] = []
+    updates = skipped = 0
+    for step in loader.steps():
+        opt.zero_grad()
+        mine: list[int] = []
+        before = model.step
+        infinite = (overflow and before == from_step and skipped == 0
+                    and dist.get_rank() != 1)
+        for x, y, idx in step:
+            loss = (F.cross_entropy(model(x.to(device)), y.to(device))
+                    * (math.inf if infinite else 1.0))
+            model.backward(loss if scaler is None else scaler.scale(loss))
+            mine += idx.tolist()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        if model.step == before:
+            skipped += 1
+            continue
+        updates += 1
+        seen += mine
+        union = _all_indices(mine)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(data.tensors[0][union].to(device)),
+                        data.tensors[1][union].to(device)).backward()
+        ref_opt.step()
+    model.remove_hooks()
+    everyone = _all_indices(seen)
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, [p.failures for _, p in points.values()])
+    return {"updates": updates, "skipped": skipped, "steps": steps,
+            "samples": len(everyone), "distinct": len(set(everyone)),
+            "dataset": len(data) - overflow * batch_size,
+            "cap": model.planner.config.caps[1], "split": list(model.plan.local_batches),
+            "failures": failures[1][0], "failures_2": None if also is None else failures[2][-1],
+            "cap_2": model.planner.config.caps[2], "buckets": len(model.comm.sizes),
+            "param_err": max(float((p - q).detach().abs().max())
+                             for p, q in zip(net.parameters(), ref.parameters(), strict=True))}
+
+
+def check_oom_backward() -> dict[str, Any]:
+    """An out-of-memory in backward before any gradient bucket was all-reduced, from the
+    first step (with DDP's search for unused parameters, whose all-reduce follows the
+    buckets'); after two of three; and in both micro-batches of a step (the first under
+    DDP's no_sync); under AMP, where the first failure's step also overflows; in the
+    forward of a step's second micro-batch (its first made the exchange already); and on
+    two ranks at once, one after two buckets and one before any; with BatchNorm (DDP
+    broadcasts its buffers before each step's forward). Ranks that ask for it differently
+    are refused."""
+    net = _classifier()
+    try:
+        HeteroDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                           HeteroDataLoader(_blobs(30), batch_size=6),
+                           recover_backward_oom=dist.get_rank() == 1)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {"refused": refused,
+            "before": _oom_backward(0, 60, 0, find_unused_parameters=True),
+            "after": _oom_backward(3, 60, 2),
+            "passes": _oom_backward(3, 108, 2, split="even", caps=[20, 20, 20], passes=4),
+            "amp": _oom_backward(3, 60, 2, overflow=True),
+            "forward_pass": _oom_backward(3, 108, 2, split="even", caps=[20, 20, 20],
+                                          passes=4, forward_pass=1),
+            "two_ranks": _oom_backward(3, 60, 2, also=0),
+            "batchnorm": _oom_backward(3, 60, 2, batchnorm=True)}
+
+
+def check_cuda_oom_backward() -> dict[str, Any]:
+    """The CUDA path of the recovery (the rows staged through pinned memory, the finisher's
+    stream) on cuda:0 shared by the gloo workers: after two of three buckets, and under AMP."""
+    return {"after": _oom_backward(3, 60, 2, device=_cuda()),
+            "amp": _oom_backward(3, 60, 2, overflow=True, device=_cuda())}
 
 
 def _amp_run(optimizer: str, scale: float | None, overflow_at: tuple[int, ...] = (),

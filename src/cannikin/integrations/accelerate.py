@@ -9,7 +9,9 @@ training data as a :class:`~cannikin.runtime.HeteroDataLoader`::
 DistributedDataParallel and attaches it to the optimizer and the loader prepared with it
 (Accelerate leaves a HeteroDataLoader as it is: it is not a DataLoader to shard). The loop is
 Accelerate's: ``accelerator.backward(loss)``, ``optimizer.step()`` (the wrapped optimizer
-steps the inner one after the backward, where Cannikin measures the step). Evaluation
+steps the inner one after the backward, where Cannikin measures the step);
+``accelerator.backward`` is the prepared model's :meth:`HeteroDataParallel.backward`, which
+recovers from a CUDA out-of-memory in it. Evaluation
 DataLoaders are sharded by Accelerate as usual. ``unwrap_model`` gives the user's module;
 ``save_state``/``load_state`` keep Cannikin's state beside Accelerate's, as JSON (plain
 numbers: loading it runs no code). Where Accelerate assumes every rank holds the same
@@ -50,15 +52,15 @@ class CannikinAccelerator(Accelerator):
     """Accelerate's Accelerator, preparing models as HeteroDataParallel.
 
     ``split``, ``lr_scaling``, ``replan_every``, ``max_local_batch``,
-    ``max_micro_batches`` and ``metrics`` go to :class:`HeteroDataParallel`; the rest to
-    :class:`accelerate.Accelerator`.
+    ``max_micro_batches``, ``recover_backward_oom`` and ``metrics`` go to
+    :class:`HeteroDataParallel`; the rest to :class:`accelerate.Accelerator`.
     """
 
     def __init__(self, *args: Any, split: str = "optimal", lr_scaling: str = "auto",
                  replan_every: int = 5,
                  max_local_batch: int | Sequence[int | None] | None = None,
                  max_micro_batches: int = 1, metrics: MetricsSink | None = None,
-                 **kwargs: Any) -> None:
+                 recover_backward_oom: bool | None = None, **kwargs: Any) -> None:
         steps = kwargs.get("gradient_accumulation_steps", 1)
         if steps != 1:
             raise ValueError(
@@ -77,7 +79,7 @@ class CannikinAccelerator(Accelerator):
         self._hdp_options: dict[str, Any] = {
             "split": split, "lr_scaling": lr_scaling, "replan_every": replan_every,
             "max_local_batch": max_local_batch, "max_micro_batches": max_micro_batches,
-            "metrics": metrics}
+            "metrics": metrics, "recover_backward_oom": recover_backward_oom}
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
@@ -123,10 +125,14 @@ class CannikinAccelerator(Accelerator):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Through the prepared model's :meth:`HeteroDataParallel.backward` (its weight
-        b_i / B in the backward's seed, one pass over the gradients less) where exactly one
-        model is prepared; Accelerate's otherwise. Accelerate's own would divide by
+        b_i / B in the backward's seed, one pass over the gradients less; a CUDA
+        out-of-memory in it redoes the step with a smaller batch on that worker) where one
+        prepared model's step is in progress (or exactly one model is prepared);
+        Accelerate's otherwise. Accelerate's own would divide by
         ``gradient_accumulation_steps`` and scale for mixed precision, both refused here."""
         models = self._attached()
+        stepping = [m for m in models if m.step_share is not None]
+        models = stepping if stepping else models
         if len(models) != 1 or kwargs.get("learning_rate") is not None:
             super().backward(loss, **kwargs)
             return

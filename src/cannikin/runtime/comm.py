@@ -88,7 +88,15 @@ class CommState:
     """The micro-batch whose backward is running."""
     pass_hooks: list[Any] = field(default_factory=list)
     rows: np.ndarray | None = None
-    """Per-step exchange (float64) to sum over ranks, sent with bucket ``carrier_slot``."""
+    """Per-step exchange (float64) to sum over ranks, sent with bucket ``carrier_slot``, or
+    with the last bucket under ``rows_at_last``."""
+    rows_at_last: bool = False
+    """Send ``rows`` with the last bucket, whose all-reduce is the backward's last (DDP
+    launches them in index order): a rank whose backward fails before it can still tell
+    every rank (:func:`finish_failed_backward`). Against the smallest bucket, the default:
+    the kept :attr:`carrier` is the last bucket's size, and where the gradients are views of
+    DDP's buckets (``gradient_as_bucket_view``) DDP copies the last bucket back from it
+    instead of the smallest."""
     rows_tail: torch.Tensor | None = None
     """The summed ``rows``, encoded, at the tail of the reduced carrier bucket."""
     rows_alone: tuple[torch.Tensor, dist.Work] | None = None
@@ -102,6 +110,8 @@ class CommState:
     """The carrier bucket and ``rows`` side by side, kept from step to step (a fresh tensor
     of a bucket's size costs page faults on every step); DDP has copied the reduced head
     into the gradients before the next backward writes it again."""
+    reductions: list["_Reduction"] = field(default_factory=list)
+    """This step's bucket all-reduces launched so far, in launch order."""
     unfinished: list["_Reduction"] = field(default_factory=list)
     """This step's all-reduces that the last bucket's hook completes (unmeasured buckets)."""
     finisher: "_Finisher | None" = None
@@ -128,6 +138,7 @@ class CommState:
         self.rows = None
         self.rows_tail = None
         self.rows_alone = None
+        self.reductions = []
         self.unfinished = []
 
     def read_step(self, norms: bool) -> "StepReadout":
@@ -287,7 +298,8 @@ def weighted_allreduce_hook(
     all-reduce it with a sum.
 
     A worker with b_i = 0 contributes zeros. ``state.rows`` travels at the tail of
-    bucket ``state.carrier_slot`` (see the module docstring); that bucket is scaled into
+    bucket ``state.carrier_slot`` (see the module docstring), or of the last bucket under
+    ``state.rows_at_last``; that bucket is scaled into
     :attr:`CommState.carrier` instead of in place, and DDP copies the reduced head into
     the gradients as it does for any hook's result.
     """
@@ -298,7 +310,8 @@ def weighted_allreduce_hook(
     slot = len(state.done)
     state.done.append(None)
     state.sizes.append(buffer.numel())
-    rows = state.rows if slot == state.carrier_slot else None
+    carries = bucket.is_last() if state.rows_at_last else slot == state.carrier_slot
+    rows = state.rows if carries else None
     extra = None if rows is None else encoded_size(rows, buffer.dtype)
     size = buffer.numel()
     factor = 1.0 if state.seeded else state.weight
@@ -316,6 +329,7 @@ def weighted_allreduce_hook(
     reduction = _Reduction(slot=slot, bucket=bucket, sent=send, size=size,
                            carries_rows=extra is not None, measured=state.capture_sqnorm,
                            work=work)
+    state.reductions.append(reduction)
     if not reduction.measured:
         return _complete_at_last_bucket(state, reduction, bucket.is_last())
     if state.finisher is None:
@@ -454,6 +468,34 @@ def _complete_at_last_bucket(state: CommState, reduction: _Reduction,
                     left.result.set_exception(error)  # type: ignore[arg-type]  # typed as T
                 raise
     return reduction.result
+
+
+def finish_failed_backward(state: CommState, buckets: list[GradBucket]) -> None:
+    """This rank's backward failed after launching the all-reduces of its first
+    ``len(state.reductions)`` buckets, while every peer's backward launches all of them and
+    waits. Launch the others through the hook, from ``buckets`` (DDP's bucket layout, in
+    index order, zero-filled: its reducer's ``_get_zeros_like_grad_buckets()``), so that
+    every collective lines up and ``state.rows`` (set to say so) travel with the last one
+    (``state.rows_at_last``); wait for them all; and give every parameter the reduced
+    gradient the peers get, so that a decision taken on it (AMP's GradScaler skipping an
+    overflowed step) is the same on every rank. The last bucket must not have been launched
+    (its rows said nothing of the failure)."""
+    futures = [weighted_allreduce_hook(state, bucket)
+               for bucket in buckets[len(state.reductions):]]
+    for future in futures:
+        future.wait()
+    with torch.no_grad():
+        for reduction in state.reductions:
+            reduced = reduction.sent[:reduction.size]
+            bucket = reduction.bucket
+            base, size = bucket.buffer().data_ptr(), reduced.element_size()
+            for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                start = (grad.data_ptr() - base) // size
+                part = reduced[start:start + grad.numel()].view(grad.shape)
+                if param.grad is None:
+                    param.grad = part.clone()
+                else:
+                    param.grad.copy_(part)
 
 
 def _result_or_raise(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:

@@ -8,7 +8,8 @@ optimizer's public step hooks):
 2. ``model(x)`` runs DDP's forward and marks where the backward starts (a hook on the
    output's gradient);
 3. ``loss.backward()``: the comm hook (:mod:`cannikin.runtime.comm`) captures |g_i|^2,
-   scales each bucket and all-reduces a sum, marking bucket-ready and done times;
+   scales each bucket and all-reduces a sum, marking bucket-ready and done times
+   (``model.backward(loss)`` also recovers from a CUDA out-of-memory in it);
 4. ``optimizer.step()``: the pre-hook turns the marks into a
    :class:`~cannikin.runtime.planner.StepReport`, reads every rank's report of the
    previous step (they rode with a gradient bucket: no extra collective), feeds the
@@ -41,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cannikin.optperf import Plan
 from cannikin.perf import ClusterModel, PredictionTracker
-from cannikin.runtime.comm import CommState, weighted_allreduce_hook
+from cannikin.runtime.comm import CommState, finish_failed_backward, weighted_allreduce_hook
 from cannikin.runtime.loader import HeteroDataLoader
 from cannikin.runtime.planner import (
     REPORT_SIZE,
@@ -69,6 +70,9 @@ NORM_STRIDE = 8
 read it) it is still reported, from every NORM_STRIDE-th step's gradient norms: taking them
 is a pass over the gradient before and after the all-reduce, ~1 ms of CPU per step on a
 25%-quota worker (4 ms of its wall time)."""
+_RESETTABLE = torch.__version__ >= "2.4"
+"""DDP's reducer can be reset after a backward that did not finish (``Reducer._reset_state``,
+complete since torch 2.4): what recovering from an out-of-memory in backward needs."""
 
 
 @dataclass(kw_only=True)
@@ -133,6 +137,7 @@ class _Options:
     max_micro_batches: int
     micro_batches: int | None
     device_name: str | None
+    recover_backward_oom: bool | None
 
 
 @dataclass(kw_only=True)
@@ -204,6 +209,10 @@ class HeteroDataParallel(nn.Module):
     beyond the caps, or a faster step); iterate :meth:`HeteroDataLoader.steps` then.
     ``micro_batches``: every step of every worker in exactly this many (for a loop that
     counts batches: Lightning's ``accumulate_grad_batches``), :class:`PlannerConfig`'s.
+    ``recover_backward_oom``: :meth:`backward` (and :meth:`weighted_backward`) recover from
+    a CUDA out-of-memory in the backward (the per-step exchange then rides the last gradient
+    bucket; torch >= 2.4); None (the default): where any worker's model is on a GPU and
+    torch allows. The same on every rank.
     ``slowdown``: heterogeneity
     emulation factor for this rank; None reads ``CANNIKIN_SLOWDOWN`` if it is set.
     ``slowdown_profile``: (fixed_s, per_sample_s) of the emulated reference device's
@@ -220,6 +229,7 @@ class HeteroDataParallel(nn.Module):
                  metrics: MetricsSink | None = None,
                  max_local_batch: int | Sequence[int | None] | None = None,
                  max_micro_batches: int = 1, micro_batches: int | None = None,
+                 recover_backward_oom: bool | None = None,
                  slowdown: float | None = None,
                  slowdown_profile: tuple[float, float] = DEFAULT_SLOWDOWN_PROFILE,
                  device_name: str | None = None, **ddp_kwargs: Any) -> None:
@@ -249,7 +259,8 @@ class HeteroDataParallel(nn.Module):
         self._options = _Options(split=split, lr_scaling=lr_scaling, replan_every=replan_every,
                                  warmup_steps=warmup_steps, max_local_batch=max_local_batch,
                                  max_micro_batches=max_micro_batches,
-                                 micro_batches=micro_batches, device_name=device_name)
+                                 micro_batches=micro_batches, device_name=device_name,
+                                 recover_backward_oom=recover_backward_oom)
         self._emulation = self._install_slowdown(module, slowdown, slowdown_profile)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device])
@@ -279,7 +290,10 @@ class HeteroDataParallel(nn.Module):
         options = self._options
         precondition = Preconditioner(optimizer)
         self.comm.transform = precondition if precondition.adaptive else None
-        caps, names = self._gather_identity(options.max_local_batch, options.device_name)
+        caps, names, recovers = self._gather_identity(options.max_local_batch,
+                                                      options.device_name,
+                                                      options.recover_backward_oom)
+        self.comm.rows_at_last = recovers
         auto = loader.autoscale
         lo, hi = auto.local_bsz_bounds if auto is not None else (1, None)
         planner = Planner(PlannerConfig(
@@ -352,8 +366,10 @@ class HeteroDataParallel(nn.Module):
         return install_slowdown(module, factor, fixed_s=profile[0], per_sample_s=profile[1])
 
     def _gather_identity(self, max_local_batch: int | Sequence[int | None] | None,
-                         device_name: str | None) -> tuple[tuple[int | None, ...], tuple[str, ...]]:
-        """Every rank's memory cap and device name (one all-gather at start-up)."""
+                         device_name: str | None, recover_backward_oom: bool | None,
+                         ) -> tuple[tuple[int | None, ...], tuple[str, ...], bool]:
+        """Every rank's memory cap and device name, and whether a backward's out-of-memory
+        is recovered from (one all-gather at start-up)."""
         if isinstance(max_local_batch, Sequence):
             if len(max_local_batch) != self.world_size:
                 raise ValueError(f"max_local_batch has {len(max_local_batch)} entries, expected "
@@ -369,8 +385,18 @@ class HeteroDataParallel(nn.Module):
             if self._emulation is not None:
                 device_name += f"/slowdown={self._emulation.factor:g}"
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (mine, device_name))
-        return tuple(g[0] for g in gathered), tuple(g[1] for g in gathered)
+        dist.all_gather_object(gathered, (mine, device_name, recover_backward_oom,
+                                          self.device.type == "cuda"))
+        asked = {g[2] for g in gathered} - {None}
+        if len(asked) > 1:  # where the exchange rides must be the same on every rank
+            raise ValueError(f"recover_backward_oom differs between ranks: "
+                             f"{[g[2] for g in gathered]} (rank order); pass the same value "
+                             f"on every rank")
+        recovers = asked.pop() if asked else _RESETTABLE and any(g[3] for g in gathered)
+        if recovers and not _RESETTABLE:
+            raise ValueError(f"recover_backward_oom=True needs torch >= 2.4 (its DDP reducer's "
+                             f"reset after a failed backward); this is torch {torch.__version__}")
+        return tuple(g[0] for g in gathered), tuple(g[1] for g in gathered), recovers
 
     # -- exposed state ---------------------------------------------------------------------------
     @property
@@ -474,6 +500,8 @@ class HeteroDataParallel(nn.Module):
         # inside this step's cycle, which runs from the previous backward: this rank does
         # not measure it, and the planner skips a step some rank did not measure
         interrupted = cycle.interrupted or cycle.stepping
+        if cycle.stepping and self.comm.rows_at_last:
+            self._reset_after_unreached_oom()
         cycle.measuring = self.planner.measures(cycle.step) and not interrupted
         cycle.interrupted = False
         # the passes before the last accumulate; the last one's gradient holds the sum of
@@ -552,7 +580,9 @@ class HeteroDataParallel(nn.Module):
         where after a plain ``loss.backward()`` it scales every gradient once more (a pass
         over all of them: ~0.3 ms per step for 1.1 M float32 parameters on one CPU core,
         paid at the slowest worker's speed). See :meth:`weighted_backward` for where the
-        hook scales as before."""
+        hook scales as before, and for a CUDA out-of-memory in the backward, which does not
+        reach the caller here (a plain ``loss.backward()`` gives autograd's exception no
+        place to be caught: it still raises)."""
         with self.weighted_backward() as weight:
             if weight is None:
                 loss.backward(gradient, **kwargs)  # type: ignore[no-untyped-call]
@@ -572,14 +602,24 @@ class HeteroDataParallel(nn.Module):
         already; or None, and the loss stays as it is (the hook weighs the buckets): outside
         a step of the loader, on a step of several micro-batches (their passes are weighed
         by size) and on a rank with 0 samples (its bucket is zeroed: the mean loss of no
-        samples is NaN)."""
+        samples is NaN).
+
+        A CUDA out-of-memory raised in the block (by the backward) does not leave it, with
+        ``recover_backward_oom`` in a step of the loader: this rank launches the gradient
+        all-reduces its backward did not reach, on zeros, with the exchange that flags the
+        step, so every collective lines up; every rank then skips the step's update, this
+        rank's cap is lowered and the step's samples come again
+        (:meth:`_skip_step_after_oom`)."""
         cycle, weight = self._cycle, self.comm.weight
-        if not (cycle.stepping and len(cycle.passes) == 1 and weight > 0.0):
-            yield None
-            return
-        self.comm.seeded = True
+        seeded = cycle.stepping and len(cycle.passes) == 1 and weight > 0.0
+        self.comm.seeded = seeded
         try:
-            yield weight
+            yield weight if seeded else None
+        except torch.cuda.OutOfMemoryError as error:
+            if not (cycle.stepping and self.comm.rows_at_last):
+                raise
+            self.comm.seeded = False  # the buckets launched now hold zeros
+            self._recover_backward_oom(error)
         finally:
             self.comm.seeded = False
 
@@ -606,13 +646,41 @@ class HeteroDataParallel(nn.Module):
         batch = cycle.passes[cycle.pass_index] if cycle.passes else 0
         logger.warning("rank %d: out of memory in forward at a pass of %d samples", self.rank,
                        batch)
-        cycle.oom = True
+        self._mark_oom()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.ddp.require_forward_param_sync = False  # DDP's own forward sets it again
         out = self.ddp(*_map_batched(args, lambda t: t[:2]),
                        **_map_batched(kwargs, lambda t: t[:2]))
         return _map_batched(out, lambda t: t[:1].expand(batch, *t.shape[1:]))
+
+    def _mark_oom(self) -> None:
+        """This rank ran out of memory in this step: its row of the exchange says so (made
+        again if a micro-batch before made it: the rows are sent in the last one's backward)."""
+        self._cycle.oom = True
+        self.comm.rows = self._exchange_rows()
+
+    def _recover_backward_oom(self, error: torch.cuda.OutOfMemoryError) -> None:
+        cycle = self._cycle
+        logger.warning("rank %d: out of memory in backward at a pass of %d samples", self.rank,
+                       cycle.passes[cycle.pass_index])
+        self._mark_oom()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if not self.ddp.require_backward_grad_sync:
+            return  # a micro-batch before the last (DDP's no_sync): nothing was all-reduced
+        buckets = self.ddp.reducer._get_zeros_like_grad_buckets()
+        if len(self.comm.reductions) >= len(buckets):
+            raise RuntimeError(
+                f"rank {self.rank}: out of memory in backward after all {len(buckets)} "
+                f"gradient buckets were all-reduced (the exchange, which rides the last, said "
+                f"nothing of it): the other workers take the step, so it cannot be redone"
+            ) from error
+        finish_failed_backward(self.comm, buckets)
+        if self.ddp.find_unused_parameters and not self.ddp.static_graph:
+            # DDP all-reduces which parameters were used after the last bucket
+            dist.all_reduce(self.ddp.reducer._get_local_used_map(),
+                            group=self.ddp.process_group)
 
     def _measure(self, step_s: float, cpu_s: float, local_sqnorm: float,
                  pass_sqnorms: tuple[float, ...]) -> StepReport:
@@ -770,6 +838,11 @@ class HeteroDataParallel(nn.Module):
             if r.oom:  # the largest pass is the one that did not fit
                 self.planner.lower_cap(rank, self.planner.passes(rank, r.batch)[0])
         self._replan("out of memory")
+        if self.comm.rows_at_last:
+            # a backward that ran out of memory left that rank's DDP reducer mid-step. Every
+            # rank resets its own, at the same step: a reset reducer rebuilds its buckets
+            # after the next backward, and the rebuild is collective
+            self.ddp.reducer._reset_state()
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None  # optimizers skip parameters without a gradient
@@ -777,6 +850,15 @@ class HeteroDataParallel(nn.Module):
         self._cycle.last_metrics = {"step": self._cycle.step, "skipped": "out of memory",
                              "local_batches": [r.batch for r in reports],
                              "total_batch": sum(r.batch for r in reports), "trained": 0}
+
+    def _reset_after_unreached_oom(self) -> None:
+        """The step before never reached the optimizer (AMP's GradScaler skipped it: its
+        gradient overflowed). If a rank ran out of memory in its backward, that rank's DDP
+        reducer was left mid-step: reset, as :meth:`_skip_step_after_oom` does. Every rank
+        decides alike, on the exchange that rode the step's gradient."""
+        rows = self.comm.read_step(norms=False).rows
+        if rows is not None and any(WorkerReport.from_vector(r).oom for r in rows.tolist()):
+            self.ddp.reducer._reset_state()
 
     def _end_step(self) -> None:
         """Back to plain DDP semantics until the loader hands out the next step: a backward
