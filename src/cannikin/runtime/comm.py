@@ -235,12 +235,8 @@ class CommState:
         if self.transform is None:
             found = [_sqnorm(flat)]
         else:
-            found = []
-            base, size = bucket.buffer().data_ptr(), flat.element_size()
-            for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                start = (grad.data_ptr() - base) // size
-                part = flat[start:start + grad.numel()].view(grad.shape)
-                found.append(_sqnorm(self.transform(param, part).detach().reshape(-1)))
+            found = [_sqnorm(self.transform(param, part).detach().reshape(-1))
+                     for param, part in _gradient_views(bucket, flat)]
         parts.extend(found if scale == 1.0 else [part * scale for part in found])
 
 
@@ -487,15 +483,23 @@ def finish_failed_backward(state: CommState, buckets: list[GradBucket]) -> None:
     with torch.no_grad():
         for reduction in state.reductions:
             reduced = reduction.sent[:reduction.size]
-            bucket = reduction.bucket
-            base, size = bucket.buffer().data_ptr(), reduced.element_size()
-            for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                start = (grad.data_ptr() - base) // size
-                part = reduced[start:start + grad.numel()].view(grad.shape)
+            for param, part in _gradient_views(reduction.bucket, reduced):
                 if param.grad is None:
                     param.grad = part.clone()
                 else:
                     param.grad.copy_(part)
+
+
+def _gradient_views(bucket: GradBucket,
+                    flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each parameter of ``bucket`` with the view of ``flat`` (laid out as the bucket's
+    buffer) that holds its gradient, found by the gradient's offset in the buffer."""
+    base, size = bucket.buffer().data_ptr(), flat.element_size()
+    views = []
+    for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+        start = (grad.data_ptr() - base) // size
+        views.append((param, flat[start:start + grad.numel()].view(grad.shape)))
+    return views
 
 
 def _result_or_raise(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
