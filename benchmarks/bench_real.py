@@ -324,12 +324,32 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
               f"{len(errors)} blocks)")
     print(f"Cannikin's own tracker (warm-up included): window median "
           f"{100 * result['tracker_window']:.1f}%, step median {100 * result['tracker_step']:.1f}%")
-    ddp_at = medians["DDP at Cannikin's split"]
-    print(f"Cannikin / plain DDP at the same split: {medians['Cannikin'] / ddp_at:.3f}x the step "
-          f"time; Cannikin held there / plain DDP: "
-          f"{medians['Cannikin held at its split'] / ddp_at:.3f}x, with loss.backward(): "
-          f"{medians[PLAIN_BACKWARD] / ddp_at:.3f}x; held even / DDP even: "
-          f"{medians['Cannikin held even'] / medians['DDP even']:.3f}x")
+    print("Ratios of step times, each the median over rounds of the ratio within a round "
+          "(a round's blocks run back to back, so the machine's load is shared), with the IQR "
+          "over rounds:")
+    for label, a, b in (("Cannikin / plain DDP at the same split", "Cannikin",
+                         "DDP at Cannikin's split"),
+                        ("Cannikin held there / plain DDP", "Cannikin held at its split",
+                         "DDP at Cannikin's split"),
+                        ("  the same with loss.backward()", PLAIN_BACKWARD,
+                         "DDP at Cannikin's split"),
+                        ("Cannikin held even / DDP even", "Cannikin held even", "DDP even"),
+                        ("Cannikin / the best fixed split", "Cannikin", None)):
+        mid, lo, hi = _paired_ratio(result["blocks"], a, b)
+        print(f"  {label:40s} {mid:.3f}x  (IQR {lo:.3f}-{hi:.3f})")
+
+
+def _paired_ratio(blocks: dict[str, list[float]], name: str,
+                  other: str | None) -> tuple[float, float, float]:
+    """Median and quartiles over rounds of ``name``'s step time over ``other``'s in the same
+    round; ``other`` None: the plain DDP configuration of the lowest median (the best of
+    each round would be a minimum of noisy times, biased low)."""
+    if other is None:
+        other = min((n for n in blocks if n.startswith("DDP")),
+                    key=lambda n: statistics.median(blocks[n]))
+    ratios = [mine / theirs for mine, theirs in zip(blocks[name], blocks[other], strict=True)]
+    q = statistics.quantiles(ratios, n=4)
+    return statistics.median(ratios), q[0], q[2]
 
 
 def main() -> int:

@@ -34,8 +34,10 @@ def truth(slowdowns: tuple[float, ...]) -> ClusterModel:
 
 
 def timings(cluster: ClusterModel, split: tuple[int, ...], rng: np.random.Generator,
-            sqnorm_noise: float, noise: float = 0.05) -> list[StepReport]:
-    """What each rank would measure for one step of ``cluster`` (multiplicative noise)."""
+            sqnorm_noise: float, noise: float = 0.05, plan_s: float = 0.0) -> list[StepReport]:
+    """What each rank would measure for one step of ``cluster`` (multiplicative noise),
+    begun by a re-plan that took rank 0 ``plan_s`` seconds and the others half that (they
+    wait for rank 0's in the step)."""
     step = cluster.step_time(list(split)) * (1 + noise * rng.standard_normal())
     ready_at = [[n.forward_time(b) + rho * n.backward_time(b) for rho, _ in COMM.buckets]
                 for n, b in zip(cluster.nodes, split, strict=True)]
@@ -43,33 +45,39 @@ def timings(cluster: ClusterModel, split: tuple[int, ...], rng: np.random.Genera
     out = []
     for i, (node, b) in enumerate(zip(cluster.nodes, split, strict=True)):
         wait = last - np.array(ready_at[i])  # waiting for the slowest peer shows up here
+        own_plan_s = plan_s if i == 0 else plan_s / 2
         out.append(StepReport(
             batch=b, sqnorm=1.0 + sqnorm_noise / max(b, 1),
             fwd_s=node.forward_time(b) * (1 + noise * rng.standard_normal()),
             bwd_s=node.backward_time(b) * (1 + noise * rng.standard_normal()),
-            step_s=step, ready_fractions=(0.4, 1.0),
-            allreduce_s=tuple(c + w for (_, c), w in zip(COMM.buckets, wait, strict=True))))
+            step_s=step + plan_s - own_plan_s, ready_fractions=(0.4, 1.0),
+            allreduce_s=tuple(c + w for (_, c), w in zip(COMM.buckets, wait, strict=True)),
+            plan_s=own_plan_s))
     return out
 
 
 def run(planner: Planner, cluster: ClusterModel, steps: int, seed: int = 0,
-        sqnorm_noise: float = 50.0, start: int = 0) -> list[float]:
+        sqnorm_noise: float = 50.0, start: int = 0, plan_s: float = 0.0) -> list[float]:
     """Drive ``planner`` like the runtime does (timings arrive one step late) from step
-    ``start``; returns the true step time of each step."""
+    ``start``; returns the true step time of each step. A re-plan takes rank 0 ``plan_s``
+    seconds, reported with the step it begins (the step's time without it)."""
     rng = np.random.default_rng(seed)
     true_times = []
     previous: list[StepReport | None] = [None] * cluster.size
     previous_global = None
+    replanned = False
     for step in range(start, start + steps):
         split = planner.split_for(planner.total_batch)
         true_times.append(cluster.step_time(list(split)))
         rows = [WorkerReport(batch=b, previous=p) for b, p in zip(split, previous, strict=True)]
         planner.observe(step, rows, previous_global)
-        previous = list(timings(cluster, split, rng, sqnorm_noise))
+        previous = list(timings(cluster, split, rng, sqnorm_noise,
+                                plan_s=plan_s if replanned else 0.0))
         previous_global = 1.0 + sqnorm_noise / sum(split)
         if not planner.measures(step):  # the runtime sends nothing of an unmeasured step
             previous, previous_global = [None] * cluster.size, None
-        if planner.due(step):
+        replanned = planner.due(step)
+        if replanned:
             planner.replan(step)
     return true_times
 
@@ -110,6 +118,39 @@ def test_an_out_of_turn_replan_that_changes_nothing_keeps_the_backed_off_cadence
     assert cadence[-1] - cadence[-2] == 40  # backed off: 5, 10, 20, 40
     planner.replan(120, "worker 0 drifted from its model")  # the split stays even
     assert [planner.due(120 + k) for k in (1, 39, 40)] == [False, False, True]
+
+
+def _intervals(planner: Planner) -> list[int]:
+    """Steps from each re-plan to the next, but after a probe (which lasts replan_every)."""
+    return [b.step - a.step for a, b in zip(planner.history, planner.history[1:], strict=False)
+            if not a.reason.startswith("probe")]
+
+
+def test_re_plans_keep_to_their_share_of_the_step_time() -> None:
+    cluster = truth((4.0, 2.0, 1.0))
+    step_s = optimal_split(cluster, 96).step_time
+    planner = Planner(PlannerConfig(world_size=3, init_batch=96, max_replan_every=40))
+    run(planner, cluster, 200, plan_s=0.3 * step_s)  # 30% of a step on the slowest rank
+    floor = math.ceil(0.3 * step_s / (planner.config.plan_budget * step_s))  # 10 steps
+    intervals = _intervals(planner)
+    # from the warm-up to the first plan, and on to the second, before the first re-plan's
+    # time is in (the exchange is a step late); then no sooner than the budget allows (the
+    # predicted step is the true one within a few %)
+    assert intervals[:2] == [3, 5] and min(intervals[2:]) >= floor - 1, intervals
+    assert intervals[-1] == 40
+    free = Planner(PlannerConfig(world_size=3, init_batch=96, max_replan_every=40))
+    run(free, cluster, 200)
+    assert min(_intervals(free)[2:]) == 5
+
+
+def test_a_re_plans_stall_is_predicted_with_the_step_it_delays() -> None:
+    cluster = truth((4.0, 2.0, 1.0))
+    step_s = optimal_split(cluster, 96).step_time
+    planner = Planner(PlannerConfig(world_size=3, init_batch=96, plan_budget=None,
+                                    max_replan_every=5, measure_stride=1, probe_error=None))
+    run(planner, cluster, 100, plan_s=step_s)  # one step in five is twice as long
+    windows = planner.tracker.window_errors()[2:]  # past the warm-up's
+    assert max(windows) < 0.06, windows
 
 
 def test_a_held_plan_measures_every_fourth_step_and_a_new_plan_every_step() -> None:
@@ -254,8 +295,11 @@ def test_report_vector_round_trip_and_bucket_merging() -> None:
         vector = report.to_vector()
         assert len(vector) == REPORT_SIZE
         assert WorkerReport.from_vector(vector) == report
-    saved_before_cpu = timing.to_vector()[:-2]  # a rank checkpoint of an older version
-    assert StepReport.from_vector(saved_before_cpu) == dataclasses.replace(
+    replanned = dataclasses.replace(timing, plan_s=0.02)
+    assert StepReport.from_vector(replanned.to_vector()) == replanned
+    saved_before_plan = replanned.to_vector()[:-1]  # rank checkpoints of older versions
+    assert StepReport.from_vector(saved_before_plan) == timing
+    assert StepReport.from_vector(timing.to_vector()[:-3]) == dataclasses.replace(
         timing, cpu_s=0.0, cpu_cores=0.0)
     ready, comm = merge_buckets([i / 40 for i in range(1, 41)], [0.001] * 40, MAX_BUCKETS)
     assert len(ready) == MAX_BUCKETS and ready[-1] == 1.0
@@ -314,7 +358,7 @@ def test_reports_with_passes_round_trip_and_older_rank_checkpoints_load() -> Non
     older = vector[:1] + vector[2:7 + 2 * MAX_BUCKETS]  # before timed_batch and passes
     assert StepReport.from_vector(older) == one_pass
     with pytest.raises(ValueError, match="a step report has"):
-        StepReport.from_vector(vector[:-1])
+        StepReport.from_vector(vector[:-2])
 
 
 def _grouped_step(planner: Planner, previous: list[StepReport], global_sqnorm: float) -> None:

@@ -97,6 +97,8 @@ class _Cycle:
     step's: it took 52 ms of a quarter-core worker's wall time, once in 5-40 steps."""
     prev_cpu: float = 0.0
     """The process's CPU seconds at ``measure_from``."""
+    plan_s: float = 0.0
+    """Wall seconds of the re-plan between ``prev_mark`` and ``measure_from`` (0: none)."""
     bwd_start: Any = None
     """The clock's mark where the (first pass's) backward started."""
     passes: tuple[int, ...] = ()
@@ -719,7 +721,7 @@ class HeteroDataParallel(nn.Module):
                             sqnorm=local_sqnorm, pass_sqnorms=pass_sqnorms,
                             fwd_s=start, bwd_s=bwd, step_s=step_s,
                             ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce),
-                            cpu_s=cpu_s, cpu_cores=self.cpu_cores)
+                            cpu_s=cpu_s, cpu_cores=self.cpu_cores, plan_s=cycle.plan_s)
         return report
 
     def _exchange_rows(self) -> np.ndarray:
@@ -783,7 +785,7 @@ class HeteroDataParallel(nn.Module):
             raise RuntimeError(f"rank {self.rank} planned split {list(cycle.split)} but the "
                                f"workers ran {list(planned)}: the ranks' plans diverged")
         cycle.prev_mark = cycle.measure_from = end
-        cycle.prev_cpu = cpu
+        cycle.prev_cpu, cycle.plan_s = cpu, 0.0
         cycle.scaled = False
         if any(r.oom for r in reports):
             cycle.previous = None  # an out-of-memory step's measurements say nothing
@@ -830,8 +832,11 @@ class HeteroDataParallel(nn.Module):
     def _replan(self, reason: str) -> None:
         """Re-plan after this step, and start the next step's measured period after it
         (:attr:`_Cycle.measure_from`)."""
+        start = time.perf_counter()
         self.planner.replan(self._cycle.step, reason)
-        self._cycle.measure_from, self._cycle.prev_cpu = self.clock.mark(), time.process_time()
+        cycle = self._cycle
+        cycle.plan_s = time.perf_counter() - start
+        cycle.measure_from, cycle.prev_cpu = self.clock.mark(), time.process_time()
 
     def _skip_step_after_oom(self, reports: Sequence[WorkerReport]) -> None:
         for rank, r in enumerate(reports):

@@ -55,11 +55,13 @@ MAX_BUCKETS = 16
 MAX_PASSES = 16
 """Most micro-batches per step and worker (:attr:`PlannerConfig.max_micro_batches`): each
 one's |g|^2 rides in the step report."""
-_PREVIOUS = 10 + 2 * MAX_BUCKETS + MAX_PASSES
+_PREVIOUS = 11 + 2 * MAX_BUCKETS + MAX_PASSES
 """batch, timed, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c.., passes, sqnorm..,
-cpu_s, cpu_cores"""
-_BEFORE_CPU = _PREVIOUS - 2
-"""The length of a report saved before its CPU time (a rank checkpoint)."""
+cpu_s, cpu_cores, plan_s"""
+_BEFORE_PLAN = _PREVIOUS - 1
+"""The length of a report saved before its re-plan time (a rank checkpoint)."""
+_BEFORE_CPU = _BEFORE_PLAN - 2
+"""The length of a report saved before its CPU time."""
 _BEFORE_PASSES = _BEFORE_CPU - 1 - MAX_PASSES
 """The length of a report saved before the passes' norms."""
 REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
@@ -87,7 +89,8 @@ class StepReport:
     """|g|^2 of each micro-batch's own mean gradient where the step took several and
     measured norms (the noise scale's gradient groups); () otherwise."""
     step_s: float
-    """Measured period of the whole step on this rank."""
+    """Measured period of the whole step on this rank, from the end of the re-plan that
+    began it, if one did (:attr:`plan_s`)."""
     ready_fractions: tuple[float, ...] = ()
     """Per bucket, in ready order: fraction of this rank's backward done when it was ready."""
     allreduce_s: tuple[float, ...] = ()
@@ -97,6 +100,10 @@ class StepReport:
     cpu_cores: float = 0.0
     """Cores the process may use (:func:`~cannikin.runtime.quota.own_cpu_limit`; 0: not
     known). ``cpu_s / cpu_cores`` is the shortest the step could have been."""
+    plan_s: float = 0.0
+    """Wall seconds this rank spent re-planning between the previous step and this one (0:
+    no re-plan). Every rank re-plans there, and the others wait in this step's all-reduce
+    for the slowest: on a worker held to a quarter of a core a re-plan took ~20 ms."""
 
     def to_vector(self) -> list[float]:
         ready, comm = merge_buckets(self.ready_fractions, self.allreduce_s, MAX_BUCKETS)
@@ -107,7 +114,7 @@ class StepReport:
         return [float(self.batch), float(self.timed), self.sqnorm, self.fwd_s, self.bwd_s,
                 self.step_s, float(len(ready)), *ready, *pad, *comm, *pad,
                 float(len(self.pass_sqnorms)), *self.pass_sqnorms, *passes, self.cpu_s,
-                self.cpu_cores]
+                self.cpu_cores, self.plan_s]
 
     @property
     def timed(self) -> int:
@@ -122,6 +129,8 @@ class StepReport:
             values = [*values, *[0.0] * (1 + MAX_PASSES)]
         if len(values) == _BEFORE_CPU:  # saved before the CPU time
             values = [*values, 0.0, 0.0]
+        if len(values) == _BEFORE_PLAN:  # saved before the re-plan time
+            values = [*values, 0.0]
         if len(values) != _PREVIOUS:
             raise ValueError(f"a step report has {_PREVIOUS} values, got {len(values)}")
         m = int(values[6])
@@ -136,7 +145,8 @@ class StepReport:
                               _BEFORE_PASSES + 1:_BEFORE_PASSES + 1
                               + int(values[_BEFORE_PASSES])]),
                           cpu_s=float(values[_BEFORE_CPU]),
-                          cpu_cores=float(values[_BEFORE_CPU + 1]))
+                          cpu_cores=float(values[_BEFORE_CPU + 1]),
+                          plan_s=float(values[_BEFORE_PLAN]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,6 +335,15 @@ class PlannerConfig:
     """The floor of that tolerance, as a fraction of the new optimum: even exact models move
     the optimum by a sample now and then, and each move would reset the cadence and the
     measuring (:attr:`measure_stride`) for nothing."""
+    plan_budget: float | None = 0.03
+    """The share of the step time that re-planning may take: after a re-plan the next one
+    comes no sooner than its measured time (the slowest rank's :attr:`StepReport.plan_s`,
+    the median of the last few) over this share of the predicted step, up to half of
+    :attr:`max_replan_every` (a plan is held, and measured every :attr:`measure_stride`-th
+    step, only once it held at the longest interval). A re-plan costs every rank the same
+    few ms of CPU, and a worker held to a fraction of a core pays it stretched: 20 ms of
+    wall time on a quarter of a core, against steps of ~45 ms, every 5 steps at first.
+    Probes and trials keep their own lengths. None: the cadence alone."""
     measure_stride: int = 4
     """Once a plan has held until the re-plan cadence reached its longest interval, only
     every measure_stride-th step is measured (timings and gradient norms, DESIGN.md §5);
@@ -422,6 +441,8 @@ class PlannerConfig:
         if not (0 <= self.plan_hold < 1 and 0 < self.oom_cap_factor < 1):
             raise ValueError(f"plan_hold ({self.plan_hold}) and oom_cap_factor "
                              f"({self.oom_cap_factor}) must be in [0, 1) and (0, 1)")
+        if self.plan_budget is not None and not 0 < self.plan_budget < 1:
+            raise ValueError(f"plan_budget must be None or in (0, 1), got {self.plan_budget}")
         for name in ("measure_stride", "drift_steps", "drift_noise_history"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -532,6 +553,8 @@ class Planner:
     _measured: deque[tuple[tuple[int, ...], float]] = field(
         default_factory=lambda: deque(maxlen=64), init=False)
     """The last measured steps: (split, step seconds as the median over ranks)."""
+    _plan_stalls: deque[float] = field(default_factory=lambda: deque(maxlen=5), init=False)
+    """The slowest rank's wall time of each of the last re-plans (:attr:`StepReport.plan_s`)."""
     _trial: tuple[int, tuple[int, ...], tuple[int, ...]] | None = field(default=None,
                                                                         init=False)
     """The trial in force: (rank tried at 0, the trial's split, the split before it)."""
@@ -716,7 +739,12 @@ class Planner:
         return sqnorms, batches
 
     def _observe_timing(self, timings: Sequence[StepReport]) -> None:
-        measured = _median([t.step_s for t in timings])
+        # a re-plan delays the step it begins on every rank by the slowest rank's re-plan
+        # (the others wait for it in the all-reduce): the step as it was, and as predicted
+        stall = max(t.plan_s for t in timings)
+        if stall > 0:
+            self._plan_stalls.append(stall)
+        measured = _median([t.step_s + t.plan_s for t in timings])
         for rank, (fitter, t) in enumerate(zip(self.fitters, timings, strict=True)):
             if t.timed > 0:
                 fitter.add(t.timed, t.fwd_s, t.bwd_s, remember=self._remember[0])
@@ -728,7 +756,7 @@ class Planner:
         if math.isfinite(measured):
             self._measured.append((tuple(t.batch for t in timings), measured))
             if self._pending is not None:
-                self.tracker.record(self._pending, measured)
+                self.tracker.record(self._pending + stall, measured)
 
     def _check_drift(self, timings: Sequence[StepReport]) -> None:
         """Flag a worker whose measured compute has left its model for several steps, so
@@ -845,6 +873,8 @@ class Planner:
             self._interval = cfg.replan_every
         elif reason == "cadence":
             self._interval = min(2 * self._interval, cfg.max_replan_every)
+        if not record.reason.startswith(("probe", "try")):
+            self._interval = max(self._interval, self._affordable_interval(record))
         self._next_replan = step + self._interval
         changed = (record.local_batches != self.current.local_batches
                    or record.total_batch != self.current.total_batch)
@@ -852,6 +882,15 @@ class Planner:
         if self.log_plans:
             self._log(record, cluster, changed)
         return record
+
+    def _affordable_interval(self, record: PlanRecord) -> int:
+        """The fewest steps from one re-plan to the next for which the re-plans' own time
+        stays within :attr:`PlannerConfig.plan_budget` of the steps' (0: no bound)."""
+        budget, step_s = self.config.plan_budget, record.predicted_step_s
+        if budget is None or not self._plan_stalls or not step_s or step_s <= 0:
+            return 0
+        steps = math.ceil(_median(self._plan_stalls) / (budget * step_s))
+        return min(steps, self.config.max_replan_every // 2)
 
     def _log(self, record: PlanRecord, cluster: ClusterModel | None, changed: bool) -> None:
         """One INFO line for a new split or total batch (a re-plan that keeps both is DEBUG),
