@@ -231,6 +231,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             "cpu_levels": [sorted(f.level_medians().items())
                            for f in hdp.planner.cpu_fitters],
             "tracker_window": tracker.median_window_error(),
+            "plan_stall_s": hdp.planner.plan_stall_s,
             "tracker_step": tracker.median_step_error(),
         }))
     hdp.remove_hooks()
@@ -324,6 +325,9 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
               f"{len(errors)} blocks)")
     print(f"Cannikin's own tracker (warm-up included): window median "
           f"{100 * result['tracker_window']:.1f}%, step median {100 * result['tracker_step']:.1f}%")
+    stall = result["plan_stall_s"]
+    print("a re-plan holds up the step after it by (the slowest rank's re-plan, median of the "
+          "last few): " + ("none measured" if stall is None else f"{1e3 * stall:.1f} ms"))
     print("Ratios of step times, each the median over rounds of the ratio within a round "
           "(a round's blocks run back to back, so the machine's load is shared), with the IQR "
           "over rounds:")

@@ -883,13 +883,19 @@ class Planner:
             self._log(record, cluster, changed)
         return record
 
+    @property
+    def plan_stall_s(self) -> float | None:
+        """How long a re-plan holds up the step after it: the median over the last few of
+        the slowest rank's re-plan time (:attr:`StepReport.plan_s`); None before any."""
+        return _median(self._plan_stalls) if self._plan_stalls else None
+
     def _affordable_interval(self, record: PlanRecord) -> int:
         """The fewest steps from one re-plan to the next for which the re-plans' own time
         stays within :attr:`PlannerConfig.plan_budget` of the steps' (0: no bound)."""
-        budget, step_s = self.config.plan_budget, record.predicted_step_s
-        if budget is None or not self._plan_stalls or not step_s or step_s <= 0:
+        budget, step_s, stall = self.config.plan_budget, record.predicted_step_s, self.plan_stall_s
+        if budget is None or stall is None or not step_s or step_s <= 0:
             return 0
-        steps = math.ceil(_median(self._plan_stalls) / (budget * step_s))
+        steps = math.ceil(stall / (budget * step_s))
         return min(steps, self.config.max_replan_every // 2)
 
     def _log(self, record: PlanRecord, cluster: ClusterModel | None, changed: bool) -> None:
