@@ -445,6 +445,41 @@ def test_expected_step_time_with_cpu_floors_is_noisy_only_above_them() -> None:
     np.testing.assert_allclose(cluster.node_times(split), means, rtol=1e-12)
 
 
+def test_a_worker_at_0_samples_rests_on_its_idle_floor() -> None:
+    """Reference: each worker's compute time from its own lines (max over the buckets) and
+    its floor, ``cpu_idle`` at 0 samples and the line elsewhere, in one direct formula."""
+    comm = CommModel(buckets=[(0.3, 0.05), (1.0, 0.01)])
+    plain = [NodeModel(fwd=(0.01 * k, 0.001 * k), bwd=(0.02 * k, 0.002 * k), noise=0.25)
+             for k in (1.0, 2.0, 3.0)]
+    floors = [(None, None), ((0.08, 0.002), None), ((0.30, 0.001), 0.16)]
+    nodes = [dataclasses.replace(nd, cpu_floor=f, cpu_idle=i)
+             for nd, (f, i) in zip(plain, floors, strict=True)]
+    cluster = ClusterModel(nodes=nodes, comm=comm)
+
+    def reference(split: list[int]) -> list[float]:
+        times = []
+        for node, (floor, idle), b in zip(plain, floors, split, strict=True):
+            compute = max(r * node.backward_time(b) + node.forward_time(b) + left
+                          for (r, _), left in zip(comm.buckets, comm.remaining, strict=True))
+            at_floor = 0.0 if floor is None else (
+                idle if b == 0 and idle is not None else floor[0] + floor[1] * b)
+            times.append(max(compute, at_floor))
+        return times
+
+    for split in ([40, 8, 0], [40, 8, 1], [48, 0, 0], [0, 0, 0]):
+        np.testing.assert_allclose(cluster.node_times(split), reference(split), rtol=1e-12)
+    batches = np.array([[40, 40], [8, 8], [0, 1]])  # several splits at once: the same
+    np.testing.assert_allclose(cluster.node_times(batches)[:, 0], reference([40, 8, 0]))
+    # worker 2 on its idle floor sets the step (the others' noise reaches it past 4 sd)
+    assert cluster.expected_step_time([20, 8, 0]) == pytest.approx(0.16, rel=1e-4)
+    assert cluster.step_time([40, 8, 1]) > 0.30  # one sample puts it back on its line
+    with pytest.raises(ValueError, match="cpu_idle=-0.1 must be finite and >= 0, with a "
+                                         "cpu_floor"):
+        NodeModel(fwd=(0.01, 0.001), bwd=(0.02, 0.002), cpu_floor=(0.1, 0.0), cpu_idle=-0.1)
+    with pytest.raises(ValueError, match="with a cpu_floor"):
+        NodeModel(fwd=(0.01, 0.001), bwd=(0.02, 0.002), cpu_idle=0.1)
+
+
 def test_fitted_noise_is_the_relative_timing_noise() -> None:
     rng = np.random.default_rng(2)
     fitter = NodeFitter()
@@ -612,23 +647,31 @@ def test_vectorised_line_fits_match_the_per_row_reference(
 def test_the_cpu_floor_is_the_chord_under_a_concave_cpu_curve() -> None:
     """Reference: the median CPU at each measured batch size (the quarter-core worker of
     bench_real: per-sample CPU falls with the batch). The chord from the smallest to the
-    largest size passes through both medians and stays under the ones between."""
+    largest busy size passes through both medians and stays under the ones between; the
+    median at 0 samples is the idle floor, below where the chord starts."""
     rng = np.random.default_rng(4)
     truth = {0: 0.0166, 28: 0.0225, 80: 0.0272, 160: 0.0304}
     fitter = CpuFitter()
     for _ in range(3):  # the warm-up's batch, remembered
         fitter.add(160, truth[160] * float(np.exp(0.1 * rng.standard_normal())), remember=True)
+    idle: list[float] = []
     for batch, count in ((28, 5), (80, 5), (0, 51)):
         for _ in range(count):
-            fitter.add(batch, truth[batch] * float(np.exp(0.1 * rng.standard_normal())))
+            cpu = truth[batch] * float(np.exp(0.1 * rng.standard_normal()))
+            fitter.add(batch, cpu)
+            idle += [cpu] if batch == 0 else []
     medians = fitter.level_medians()
     assert sorted(medians) == [0, 28, 80, 160]
     c0, c1 = fitter.floor_line() or (math.nan, math.nan)
-    assert c0 == pytest.approx(medians[0], rel=1e-12)
+    assert c0 + 28 * c1 == pytest.approx(medians[28], rel=1e-12)
     assert c0 + 160 * c1 == pytest.approx(medians[160], rel=1e-12)
-    assert all(c0 + c1 * b <= medians[b] for b in (28, 80))
-    for batch in truth:  # within the noise of each median
+    assert c0 + c1 * 80 <= medians[80]
+    assert fitter.idle() == medians[0] < c0  # 0 samples: no forward, no backward
+    for batch in (28, 80, 160):  # within the noise of each median
         assert c0 + c1 * batch == pytest.approx(truth[batch], rel=0.25)
+    for _ in range(64):  # the plan moves on: the window forgets 0 samples, the fitter keeps
+        fitter.add(80, truth[80])  # the latest level_samples of them
+    assert fitter.idle() == pytest.approx(float(np.median(idle[-fitter.level_samples:])))
 
 
 def test_cpu_fitter_levels_need_samples_and_keep_their_ends() -> None:
@@ -646,6 +689,7 @@ def test_cpu_fitter_levels_need_samples_and_keep_their_ends() -> None:
     for _ in range(8):  # the window turns over: the remembered ends still make the chord
         fitter.add(20, 0.014)
     assert sorted(fitter.level_medians()) == [0, 20, 100]
-    assert fitter.floor_line() == pytest.approx((0.01, 0.0002))
+    assert fitter.floor_line() == pytest.approx((0.01, 0.0002))  # over 20 and 100 now
+    assert fitter.idle() == pytest.approx(0.01)
     with pytest.raises(ValueError, match="levels=1"):
         CpuFitter(levels=1)

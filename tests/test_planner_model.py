@@ -80,7 +80,8 @@ def drive(seed: int, steps: int, config: PlannerConfig | None = None,
         measured = max(f + k for f, k in zip(fwd, bwd, strict=True)) + COMM.buckets[-1][1] + added
         floors = [0.0] * n
         if any(quotas):  # a CPU floor's noise: a step's CPU varies less than its phases' times
-            floors = [(nd.cpu_floor[0] + nd.cpu_floor[1] * b) * float(np.exp(0.05 * z))
+            floors = [(nd.cpu_idle if b == 0 and nd.cpu_idle is not None else
+                       nd.cpu_floor[0] + nd.cpu_floor[1] * b) * float(np.exp(0.05 * z))
                       if nd.cpu_floor else 0.0 for nd, b, z in
                       zip(cluster.nodes, split, rng.standard_normal(n), strict=True)]
             measured = max(measured, *floors)
@@ -260,6 +261,27 @@ def quota_truth() -> ClusterModel:
     return ClusterModel(nodes=[dataclasses.replace(nd, cpu_floor=(
         nd.fwd[0] + nd.bwd[0] + 0.02 / s, nd.fwd[1] + nd.bwd[1]))
         for nd, s in zip(truth().nodes, CORES, strict=True)], comm=COMM)
+
+
+def test_a_worker_at_0_samples_is_modelled_at_its_own_cpu() -> None:
+    """The quarter-core worker's CPU per step at 0 samples falls below where the line
+    through its busy sizes starts (no forward, no backward): 0.21 s against 0.28. The
+    fitted model holds it apart (:attr:`NodeModel.cpu_idle`) and predicts that worker's
+    time at 0 samples, where the line alone was 33% high."""
+    quota = quota_truth()
+    idle = 0.21
+    cluster = ClusterModel(nodes=[dataclasses.replace(nd, cpu_idle=idle if i == 2 else None)
+                                  for i, nd in enumerate(quota.nodes)], comm=quota.comm)
+    line_c0 = quota.nodes[2].cpu_floor[0] if quota.nodes[2].cpu_floor else math.nan
+    assert line_c0 > 1.3 * idle
+    for seed in range(2):
+        run = drive(seed, 300, cluster=cluster)
+        model = run.planner.cluster_model
+        assert model is not None and model.nodes[2].cpu_idle == pytest.approx(idle, rel=0.05)
+        split = zero_split(cluster, B).local_batches
+        assert split[2] == 0
+        assert model.node_times(list(split))[2] == pytest.approx(idle, rel=0.05)
+        assert float(np.mean(run.quality[150:])) <= 1.1, seed
 
 
 def test_cpu_floors_predict_the_even_split_and_one_2x_away_on_quota_workers() -> None:

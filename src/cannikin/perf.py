@@ -166,7 +166,13 @@ class NodeModel:
     share of the all-reduce, the runtime), over the cores it may use (a cgroup quota, its
     affinity). A worker held to a quarter of a core takes at least 4x its CPU per step
     even at 0 samples, and when its quota runs out the all-reduce waits for it too; the
-    compute model alone does not see either (measured on CPU-quota workers).
+    compute model alone does not see either (measured on CPU-quota workers). ``cpu_idle``:
+    the floor at 0 samples where it was measured apart from the line (None: the line's
+    ``c0``). With no samples there is no forward and backward at all, and the CPU falls
+    below where the line through the busy batch sizes starts: on the quarter-core worker of
+    ``bench_real`` under plain DDP (one run), 8.8-9.2 ms of CPU per step at 0 samples,
+    12.4-13.1 at 30 and 20.6 at 160, whose line starts at 10.6 (6 ms of wall time at a
+    quarter of a core).
     """
 
     fwd: tuple[float, float]
@@ -178,6 +184,7 @@ class NodeModel:
     micro_batch: int | None = None
     fixed_passes: int | None = None
     cpu_floor: tuple[float, float] | None = None
+    cpu_idle: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fwd", _check_line("fwd", self.fwd, self.name))
@@ -185,6 +192,12 @@ class NodeModel:
         if self.cpu_floor is not None:
             object.__setattr__(self, "cpu_floor",
                                _check_line("cpu_floor", self.cpu_floor, self.name))
+        if self.cpu_idle is not None:
+            idle = float(self.cpu_idle)
+            if self.cpu_floor is None or not (math.isfinite(idle) and idle >= 0):
+                raise ValueError(f"node {self.name!r}: cpu_idle={self.cpu_idle!r} must be "
+                                 f"finite and >= 0, with a cpu_floor (got {self.cpu_floor!r})")
+            object.__setattr__(self, "cpu_idle", idle)
         if not _is_int(self.min_batch) or self.min_batch < 0:
             raise ValueError(
                 f"node {self.name!r}: min_batch={self.min_batch!r} must be an integer >= 0"
@@ -397,7 +410,7 @@ class ClusterModel:
         binding = np.argmax(arr.offsets[row] + arr.slopes[row] * x[:, None], axis=1)
         compute = means - arr.comm_left[binding]
         if arr.floor_rows is not None:  # the last column
-            above = means - (arr.offsets[row, -1] + arr.slopes[row, -1] * x)
+            above = means - arr.floors(np.asarray(local_batches, dtype=np.float64), row, x)
             compute = np.where(arr.floor_rows[row], np.minimum(compute, above), compute)
         return expected_max(means, arr.noise * np.maximum(compute, 0.0))
 
@@ -447,6 +460,9 @@ class ClusterArrays:
     floor_rows: BoolArray | None = None
     """The rows of workers with a CPU floor, shape (rows,); None when no worker has one.
     Otherwise the last column is the floors' (it may cross any bucket's line)."""
+    idle_floor: FloatArray | None = None
+    """Each worker's :attr:`NodeModel.cpu_idle`, the last column's value at 0 samples (NaN:
+    the line's), shape (n,); None when no worker has one."""
 
     @property
     def floored(self) -> bool:
@@ -481,8 +497,22 @@ class ClusterArrays:
     def worker_times(self, local_batches: FloatArray) -> FloatArray:
         """Each worker's time at its local batch; (n,) or (n, T) as the batches."""
         row, x = self.rows_of(local_batches)
-        times: FloatArray = np.max(self.offsets[row] + self.slopes[row] * x[..., None], axis=-1)
+        lines = self.offsets[row] + self.slopes[row] * x[..., None]
+        if self.idle_floor is not None:
+            lines[..., -1] = self.floors(local_batches, row, x)
+        times: FloatArray = np.max(lines, axis=-1)
         return times
+
+    def floors(self, local_batches: FloatArray, row: npt.NDArray[np.intp],
+               x: FloatArray) -> FloatArray:
+        """The last column (the CPU floors, where :attr:`floored`) at these batches, on
+        their rows (:meth:`rows_of`): the idle floor where a worker has 0 samples."""
+        floor: FloatArray = self.offsets[row, -1] + self.slopes[row, -1] * x
+        if self.idle_floor is None:
+            return floor
+        idle = self.idle_floor.reshape((-1,) + (1,) * (local_batches.ndim - 1))
+        at_idle: FloatArray = np.where((local_batches == 0) & np.isfinite(idle), idle, floor)
+        return at_idle
 
     def worker_totals(self, rows: npt.ArrayLike) -> FloatArray:
         """Per-row amounts summed into per-worker local batches."""
@@ -505,9 +535,10 @@ class ClusterArrays:
                             math.inf if n.max_batch is None else n.max_batch,
                             math.inf if n.micro_batch is None else n.micro_batch,
                             n.fixed_passes or 0, n.rows, n.noise,
-                            *(n.cpu_floor or (math.nan, math.nan))) for n in nodes],
+                            *(n.cpu_floor or (math.nan, math.nan)),
+                            math.nan if n.cpu_idle is None else n.cpu_idle) for n in nodes],
                           dtype=np.float64)
-        f0, f1, k0, k1, lo_w, hi_w, micro, fixed_w, rows, noise, c0, c1 = fields.T
+        f0, f1, k0, k1, lo_w, hi_w, micro, fixed_w, rows, noise, c0, c1, idle = fields.T
         binding = cluster.comm.binding()
         rho = cluster.comm.ready_fractions[binding]
         remaining = cluster.comm.remaining[binding]
@@ -539,7 +570,8 @@ class ClusterArrays:
             remaining = np.append(remaining, 0.0)  # no communication left after a floor
         return ClusterArrays(offsets=row_offsets, slopes=row_slopes, lo=lo, hi=hi,
                              comm_left=remaining, noise=noise, owner=owner, start=start,
-                             first_row=first_row, micro=micro, passes=passes, floor_rows=has)
+                             first_row=first_row, micro=micro, passes=passes, floor_rows=has,
+                             idle_floor=idle if np.any(np.isfinite(idle)) else None)
 
 
 _FLOOR_SLOPE = 1e-6
@@ -966,7 +998,8 @@ def _rescale(measured: float, predicted: float) -> float:
 @dataclass
 class CpuFitter:
     """One worker's CPU seconds per step (every thread) against its local batch, 0
-    included: its CPU floor (:attr:`NodeModel.cpu_floor`, once divided by its cores).
+    included: its CPU floor (:attr:`NodeModel.cpu_floor` and :attr:`NodeModel.cpu_idle`,
+    once divided by its cores).
 
     The floor is the chord from the median CPU at the smallest to the median at the
     largest batch size measured at least ``min_samples`` times, in the window of the last
@@ -977,6 +1010,13 @@ class CpuFitter:
     0 samples, 22.5 at 28, 27.2 at 80, 30.4 at 160), so a least-squares line through the
     many steps at the split in use and a few far from it predicted 160 samples 27% high.
     The chord stays under every measurement between its ends, as a floor should.
+
+    0 samples is a point of its own (no forward, no backward): always remembered, and the
+    chord runs over the busy sizes where they span a factor of 2 or more, 0 being
+    :meth:`idle` apart. Through 0 the chord starts low and rises steeply, and under-predicts
+    every small batch; without 0 it starts too high, and the planner saw no gain in giving
+    the quarter-core worker of ``bench_real`` 0 samples over a few (Cannikin's own CPU per
+    step there: 11.5-11.9 ms at 0 samples, 13.2-13.5 at 16-19, in two runs).
     """
 
     window: int = 64
@@ -1006,7 +1046,7 @@ class CpuFitter:
         if not (math.isfinite(batch) and math.isfinite(cpu_s) and batch >= 0 and cpu_s >= 0):
             return False
         self._recent.append((float(batch), float(cpu_s)))
-        if remember:
+        if remember or batch == 0:
             level = self._remembered.get(float(batch))
             if level is None:
                 level = self._remembered[float(batch)] = deque(maxlen=self.level_samples)
@@ -1034,11 +1074,18 @@ class CpuFitter:
         """``(c0, c1)``: CPU seconds at 0 samples and per sample along the chord; None
         before two batch sizes are measured enough."""
         medians = self.level_medians()
-        if len(medians) < 2:
+        busy = [b for b in medians if b > 0]
+        ends = busy if len(busy) >= 2 and max(busy) >= 2 * min(busy) else list(medians)
+        if len(ends) < 2:
             return None
-        lo, hi = min(medians), max(medians)
+        lo, hi = min(ends), max(ends)
         slope = max((medians[hi] - medians[lo]) / (hi - lo), 0.0)
         return max(medians[lo] - slope * lo, 0.0), slope
+
+    def idle(self) -> float | None:
+        """Median CPU seconds at 0 samples; None before it is measured ``min_samples``
+        times."""
+        return self.level_medians().get(0.0)
 
 
 @dataclass

@@ -1115,14 +1115,17 @@ class Planner:
 
     def _with_cpu_floors(self, nodes: list[NodeModel]) -> list[NodeModel]:
         """``nodes`` with each worker's CPU per step over its cores as its ``cpu_floor``,
-        where two of its batch sizes are measured (:meth:`CpuFitter.floor_line`)."""
+        where two of its batch sizes are measured (:meth:`CpuFitter.floor_line`), and at 0
+        samples as its ``cpu_idle`` where measured (:meth:`CpuFitter.idle`)."""
         if not self.config.cpu_floor or not any(f.num_samples for f in self.cpu_fitters):
             return nodes
         floored = []
         for node, fitter, cores in zip(nodes, self.cpu_fitters, self.cpu_cores, strict=True):
             line = fitter.floor_line() if cores > 0 else None
+            idle = fitter.idle() if line is not None else None
             floored.append(node if line is None else dataclasses.replace(
-                node, cpu_floor=(line[0] / cores, line[1] / cores)))
+                node, cpu_floor=(line[0] / cores, line[1] / cores),
+                cpu_idle=None if idle is None else idle / cores))
         return floored
 
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
