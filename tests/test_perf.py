@@ -674,6 +674,36 @@ def test_the_cpu_floor_is_the_chord_under_a_concave_cpu_curve() -> None:
     assert fitter.idle() == pytest.approx(float(np.median(idle[-fitter.level_samples:])))
 
 
+def test_a_few_early_steps_reading_high_do_not_lift_the_cpu_floor() -> None:
+    """Reference: scikit-learn's weighted isotonic regression of the level medians. The
+    warm-up's 3 steps at 160 samples read above the later 9 at 162 and 177 (as in a run of
+    bench_real); the chord's low end is their pooled level, not the warm-up's."""
+    from sklearn.isotonic import IsotonicRegression
+
+    rng = np.random.default_rng(5)
+    fitter = CpuFitter()
+    measured: dict[float, list[float]] = {0.0: [], 160.0: [0.0233] * 3, 162.0: [], 177.0: [],
+                                          388.0: []}
+    for value in measured[160.0]:
+        fitter.add(160, value, remember=True)
+    for batch, centre, count in ((0, 0.0108, 9), (162, 0.0214, 9), (177, 0.0208, 9),
+                                 (388, 0.0445, 5)):
+        for _ in range(count):
+            value = centre * float(np.exp(0.02 * rng.standard_normal()))
+            fitter.add(batch, value)
+            measured[float(batch)].append(value)  # 35 steps: the window holds them all
+    sizes = sorted(measured)
+    medians = [float(np.median(measured[b])) for b in sizes]
+    reference = IsotonicRegression(increasing=True).fit(
+        sizes, medians, sample_weight=[len(measured[b]) for b in sizes]).predict(sizes)
+    assert medians[1] > medians[2]  # the warm-up's level reads high: it is pooled
+    c0, c1 = fitter.floor_line() or (math.nan, math.nan)
+    assert c0 + 160 * c1 == pytest.approx(reference[1], rel=1e-9)
+    assert c0 + 388 * c1 == pytest.approx(reference[-1], rel=1e-9)
+    assert c0 + 160 * c1 < medians[1] - 0.001
+    assert fitter.idle() == pytest.approx(reference[0], rel=1e-9)
+
+
 def test_cpu_fitter_levels_need_samples_and_keep_their_ends() -> None:
     fitter = CpuFitter(window=8, levels=3, min_samples=2)
     assert fitter.floor_line() is None and not fitter.add(4, math.nan)
