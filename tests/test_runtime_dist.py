@@ -125,10 +125,12 @@ def test_an_evaluation_between_steps_is_not_measured(figures: dict[str, Any]) ->
 
 def test_a_replans_time_is_not_the_next_steps(figures: dict[str, Any]) -> None:
     got = figures["replan_not_measured"]
-    assert got["plans"][:2] == [0, 3]  # the start, then the warm-up's re-plan after step 3
-    assert got["step_time_s"][4] > 0.3  # its 0.3 s of CPU is in step 4's period ...
-    assert 0 < got["cpu_s"][4] < 0.3 and got["fwd_s"][4] < 0.3  # ... not in its measurements
+    after = got["warmup"]  # the first step after the warm-up's re-plan
+    assert got["plans"][:2] == [0, after - 1]  # the start, then the warm-up's re-plan
+    assert got["step_time_s"][after] > 0.3  # its 0.3 s of CPU is in the next step's period,
+    assert 0 < got["cpu_s"][after] < 0.3 and got["fwd_s"][after] < 0.3  # not in its timings,
     assert all(c is not None and 0 < c < 0.3 for c in got["cpu_s"][1:])
+    assert got["stall_s"] is not None and got["stall_s"] > 0.3  # and it is the stall seen
 
 
 def test_noise_scale_starts_over_when_adam_preconditions(figures: dict[str, Any]) -> None:

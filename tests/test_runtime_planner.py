@@ -82,10 +82,10 @@ def run(planner: Planner, cluster: ClusterModel, steps: int, seed: int = 0,
     return true_times
 
 
-def test_four_workers_converge_to_the_optimal_split_within_30_steps() -> None:
+def test_four_workers_converge_to_the_optimal_split_within_35_steps() -> None:
     cluster = truth((4.0, 2.0, 1.0, 1.0))
-    planner = Planner(PlannerConfig(world_size=4, init_batch=128))  # defaults: K=5, warm-up 3
-    times = run(planner, cluster, 30)
+    planner = Planner(PlannerConfig(world_size=4, init_batch=128))  # defaults: K=5, warm-up 5
+    times = run(planner, cluster, 35)
     best = optimal_split(cluster, 128).step_time
     assert times[0] > 1.5 * best  # the even start is far off
     assert times[-1] <= 1.05 * best, (times[-1], best, planner.local_batches)
@@ -103,7 +103,7 @@ def test_every_rank_computes_the_same_plan() -> None:
 def test_even_mode_keeps_the_even_split_and_still_predicts() -> None:
     cluster = truth((4.0, 1.0))
     planner = Planner(PlannerConfig(world_size=2, init_batch=64, split="even"))
-    run(planner, cluster, 15)
+    run(planner, cluster, 20)
     assert planner.local_batches == (32, 32)
     assert planner.current.predicted_step_s is not None
     assert planner.tracker.median_window_error() < 0.10
@@ -136,7 +136,8 @@ def test_re_plans_keep_to_their_share_of_the_step_time() -> None:
     # from the warm-up to the first plan, and on to the second, before the first re-plan's
     # time is in (the exchange is a step late); then no sooner than the budget allows (the
     # predicted step is the true one within a few %)
-    assert intervals[:2] == [3, 5] and min(intervals[2:]) >= floor - 1, intervals
+    warm = planner.config.warmup_steps - 1
+    assert intervals[:2] == [warm, 5] and min(intervals[2:]) >= floor - 1, intervals
     assert intervals[-1] == 40
     free = Planner(PlannerConfig(world_size=3, init_batch=96, max_replan_every=40))
     run(free, cluster, 200)
@@ -150,7 +151,7 @@ def test_a_re_plans_stall_is_predicted_with_the_step_it_delays() -> None:
                                     max_replan_every=5, measure_stride=1, probe_error=None))
     run(planner, cluster, 100, plan_s=step_s)  # one step in five is twice as long
     windows = planner.tracker.window_errors()[2:]  # past the warm-up's
-    assert max(windows) < 0.06, windows
+    assert max(windows) < 0.08, windows  # 0.12-0.16 with the stall left out
 
 
 def test_a_held_plan_measures_every_fourth_step_and_a_new_plan_every_step() -> None:

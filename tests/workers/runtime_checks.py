@@ -423,8 +423,9 @@ def check_eval_between_steps() -> dict[str, Any]:
 
 
 def check_replan_not_measured() -> dict[str, Any]:
-    """The warm-up's re-plan (after step 3) made 0.3 s of busy CPU on every rank: step 4's
-    period counts it, its measurements (timings and CPU) do not."""
+    """The warm-up's re-plan (after its last step) made 0.3 s of busy CPU on every rank: the
+    next step's period counts it, its measurements (timings and CPU) do not, and its
+    report carries it as the re-plan's time (the planner's stall)."""
     data = _blobs(600)
     net = _classifier()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
@@ -448,7 +449,8 @@ def check_replan_not_measured() -> dict[str, Any]:
         opt.step()
         if step == 6:
             break
-    return {"plans": [r.step for r in planner.history],
+    return {"plans": [r.step for r in planner.history], "warmup": planner.config.warmup_steps,
+            "stall_s": planner.plan_stall_s,
             **{key: [r[key] for r in sink.rows] for key in ("step_time_s", "cpu_s", "fwd_s")}}
 
 

@@ -202,7 +202,8 @@ class HeteroDataParallel(nn.Module):
     ``batch_size``); "auto" (the default) is "none" at a fixed total batch, as with DDP
     (a final partial batch trains at the same LR), and with a goodput-chosen one
     "adamscale" for Adam, AdamW and RMSprop, "adascale" for the others.
-    ``replan_every``: steps between re-plans after ``warmup_steps`` even-split steps.
+    ``replan_every``: steps between re-plans after ``warmup_steps`` even-split steps (the
+    first two are not measured, :attr:`~cannikin.runtime.planner.PlannerConfig.skip_steps`).
     ``metrics``: a sink with ``log(metrics, step)``, called on rank 0 every step.
     ``max_local_batch``: this rank's memory cap (int), or one per rank; an out-of-memory
     in forward lowers this rank's cap automatically. ``max_micro_batches``: above 1, a
@@ -227,7 +228,7 @@ class HeteroDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  loader: HeteroDataLoader | None = None, *, split: str = "optimal",
-                 lr_scaling: str = "auto", replan_every: int = 5, warmup_steps: int = 4,
+                 lr_scaling: str = "auto", replan_every: int = 5, warmup_steps: int = 5,
                  metrics: MetricsSink | None = None,
                  max_local_batch: int | Sequence[int | None] | None = None,
                  max_micro_batches: int = 1, micro_batches: int | None = None,
@@ -301,6 +302,7 @@ class HeteroDataParallel(nn.Module):
         planner = Planner(PlannerConfig(
             world_size=self.world_size, init_batch=loader.batch_size, split=options.split,
             replan_every=options.replan_every, warmup_steps=options.warmup_steps,
+            skip_steps=min(PlannerConfig.skip_steps, options.warmup_steps - 1),
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
             max_local=hi, caps=caps, names=names, accumulate=options.max_micro_batches > 1,
             max_micro_batches=options.max_micro_batches,

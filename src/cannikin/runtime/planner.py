@@ -235,10 +235,17 @@ class PlannerConfig:
     """K: re-plan after every K steps once warm."""
     max_replan_every: int = 40
     """While the plan stays the same the interval doubles, up to this many steps."""
-    warmup_steps: int = 4
-    """Steps on the even split before the first plan."""
-    skip_steps: int = 1
-    """First steps whose timings are not fitted (DDP bucket rebuild, allocator warm-up)."""
+    warmup_steps: int = 5
+    """Steps on the even split before the first plan: the last ``warmup_steps -
+    skip_steps`` are measured, and three are what makes a level of a worker's CPU
+    (:class:`~cannikin.perf.CpuFitter`), the one measurement of the even split."""
+    skip_steps: int = 2
+    """First steps whose timings are not fitted: DDP rebuilds its buckets in the second,
+    and caches and allocators are cold in both. On 100/50/25% CPU-quota workers (3 ranks,
+    160 samples each) the CPU per step of the first three was 27-30, 25-28 and 20-25 ms,
+    and 20-24 later; with only the first skipped, the warm-up's level of the even split
+    read 13-20% high on the quarter-core worker (`bench_real`: 24.9 and 27.0 ms against
+    21.5-23.9 at the even split later in the run)."""
     max_batch: int | None = None
     """Adaptive total batch up to this (goodput); None keeps B0."""
     min_local: int = 1
