@@ -170,8 +170,8 @@ class NodeModel:
     the floor at 0 samples where it was measured apart from the line (None: the line's
     ``c0``). With no samples there is no forward and backward at all, and the CPU falls
     below where the line through the busy batch sizes starts: on the quarter-core worker of
-    ``bench_real`` under plain DDP (one run), 8.8-9.2 ms of CPU per step at 0 samples,
-    12.4-13.1 at 30 and 20.6 at 160, whose line starts at 10.6 (6 ms of wall time at a
+    ``bench_real`` under plain DDP (one run), a median of 9.1 ms of CPU per step at 0
+    samples, 12.8 at 30 and 20.6 at 160, whose line starts at 11.0 (8 ms of wall time at a
     quarter of a core).
     """
 
