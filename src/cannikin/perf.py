@@ -499,7 +499,7 @@ class ClusterArrays:
         row, x = self.rows_of(local_batches)
         lines = self.offsets[row] + self.slopes[row] * x[..., None]
         if self.idle_floor is not None:
-            lines[..., -1] = self.floors(local_batches, row, x)
+            lines[..., -1] = self._at_idle(local_batches, lines[..., -1])
         times: FloatArray = np.max(lines, axis=-1)
         return times
 
@@ -508,8 +508,12 @@ class ClusterArrays:
         """The last column (the CPU floors, where :attr:`floored`) at these batches, on
         their rows (:meth:`rows_of`): the idle floor where a worker has 0 samples."""
         floor: FloatArray = self.offsets[row, -1] + self.slopes[row, -1] * x
-        if self.idle_floor is None:
-            return floor
+        return floor if self.idle_floor is None else self._at_idle(local_batches, floor)
+
+    def _at_idle(self, local_batches: FloatArray, floor: FloatArray) -> FloatArray:
+        """``floor`` (the last column's values) with each worker at 0 samples that has an
+        :attr:`idle_floor` put on it."""
+        assert self.idle_floor is not None
         idle = self.idle_floor.reshape((-1,) + (1,) * (local_batches.ndim - 1))
         at_idle: FloatArray = np.where((local_batches == 0) & np.isfinite(idle), idle, floor)
         return at_idle
