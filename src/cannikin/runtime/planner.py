@@ -243,9 +243,9 @@ class PlannerConfig:
     """First steps whose timings are not fitted: DDP rebuilds its buckets in the second,
     and caches and allocators are cold in both. On 100/50/25% CPU-quota workers (3 ranks,
     160 samples each) the CPU per step of the first three was 27-30, 25-28 and 20-25 ms,
-    and 20-24 later; with only the first skipped, the warm-up's level of the even split
-    read 13-20% high on the quarter-core worker (`bench_real`: 24.9 and 27.0 ms against
-    21.5-23.9 at the even split later in the run)."""
+    and 20.9-23.8 (once 26.0) at the even split held after; with only the first skipped,
+    the warm-up's level of the even split read high on the quarter-core worker (24.9 ms
+    there, and 27.0 in a run of ``bench_real`` against 21.5-22.9 later in the run)."""
     max_batch: int | None = None
     """Adaptive total batch up to this (goodput); None keeps B0."""
     min_local: int = 1
