@@ -36,7 +36,9 @@ best fixed split. Each configuration's figure is B / (median over rounds of its 
 step time); ratios are to the best configuration. Cannikin's prediction error is
 |predicted - measured| / measured of the mean step time per block (its model's predicted
 step time for the split in force against the block's wall time per step), median over
-blocks; its own tracker's window and step medians follow (they include the warm-up).
+blocks; its own tracker's window and step medians follow (they include the warm-up), and
+the window median over the splits it chose for speed alone (the optimal split's; a probe's,
+a trial's at 0 samples and a pinned split's windows left out).
 Before the blocks every worker times the same compute (forward and backward of B / 3
 samples on a model of its own) at once: the workers' real relative speeds.
 
@@ -231,6 +233,8 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             "cpu_levels": [sorted(f.level_medians().items())
                            for f in hdp.planner.cpu_fitters],
             "tracker_window": tracker.median_window_error(),
+            "tracker_chosen": hdp.planner.chosen_tracker.median_window_error(),
+            "chosen_windows": len(hdp.planner.chosen_tracker.window_errors()),
             "plan_stall_s": hdp.planner.plan_stall_s,
             "tracker_step": tracker.median_step_error(),
         }))
@@ -324,7 +328,9 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
               f" (predicted {1e3 * pred:.1f} ms vs measured {1e3 * meas:.1f} ms, medians over "
               f"{len(errors)} blocks)")
     print(f"Cannikin's own tracker (warm-up included): window median "
-          f"{100 * result['tracker_window']:.1f}%, step median {100 * result['tracker_step']:.1f}%")
+          f"{100 * result['tracker_window']:.1f}%, step median {100 * result['tracker_step']:.1f}%;"
+          f" at the splits it chose (probes, trials at 0 left out): window median "
+          f"{100 * result['tracker_chosen']:.1f}% over {result['chosen_windows']} windows")
     stall = result["plan_stall_s"]
     print("a re-plan holds up the step after it by (the slowest rank's re-plan, median of the "
           "last few): " + ("none measured" if stall is None else f"{1e3 * stall:.1f} ms"))

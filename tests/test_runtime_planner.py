@@ -92,6 +92,24 @@ def test_four_workers_converge_to_the_optimal_split_within_35_steps() -> None:
     assert planner.tracker.median_window_error() < 0.10
 
 
+def test_the_chosen_tracker_leaves_out_a_pinned_split() -> None:
+    cluster = truth((4.0, 2.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=3, init_batch=96, probe_error=None,
+                                    trial_margin=0.0))
+    run(planner, cluster, 40)
+    before = planner.tracker.window_errors()
+    assert len(before) >= 3 and planner.chosen_tracker.window_errors() == before
+    # pinned, worker 0 runs 3x slower than the model knows: that window is far off
+    planner.pin(40, (32, 32, 32))
+    run(planner, truth((12.0, 2.0, 1.0)), 20, start=40)
+    planner.pin(60, None)
+    run(planner, cluster, 40, start=60, seed=1)
+    every, chosen = planner.tracker.window_errors(), planner.chosen_tracker.window_errors()
+    at = len(before) + 1  # the window open at the pin closes first
+    assert every[at] > 0.5 and max(every[:at]) < 0.25, every
+    assert chosen == every[:at] + every[at + 1:] and len(chosen) > at
+
+
 def test_every_rank_computes_the_same_plan() -> None:
     cluster = truth((3.0, 1.0, 1.5))
     a, b = (Planner(PlannerConfig(world_size=3, init_batch=60)) for _ in range(2))

@@ -539,12 +539,19 @@ class Planner:
     """The cores each worker last reported it may use (0: not known)."""
     comm_fitter: CommFitter = field(init=False)
     tracker: PredictionTracker = field(init=False)
+    """How well the model predicts each measured step once there is a model (none predicts
+    the warm-up's even split)."""
+    chosen_tracker: PredictionTracker = field(init=False)
+    """The same over the splits the planner chose for speed: :attr:`tracker`'s windows but
+    those of a probe, a trial at 0 samples and a pinned split (each made to learn, or held
+    from outside). The prediction error at the optimal split is this one's."""
     noise: NoiseScaleTracker = field(init=False)
     cluster_model: ClusterModel | None = field(default=None, init=False)
     current: PlanRecord = field(init=False)
     history: list[PlanRecord] = field(default_factory=list, init=False)
     cached: dict[str, NodeModel] = field(default_factory=dict, init=False)
     _pending: float | None = field(default=None, init=False)  # prediction for the last step
+    _pending_chosen: bool = field(default=False, init=False)  # its split was chosen (above)
     _interval: int = field(default=0, init=False)  # steps from one re-plan to the next
     _next_replan: int = field(default=0, init=False)
     _window_ends: bool = field(default=False, init=False)
@@ -582,6 +589,7 @@ class Planner:
         self.cpu_cores = [0.0] * cfg.world_size
         self.comm_fitter = CommFitter()
         self.tracker = PredictionTracker()
+        self.chosen_tracker = PredictionTracker()
         self.noise = NoiseScaleTracker(smoothing=cfg.gns_smoothing, init_batch=cfg.init_batch)
         if cfg.max_batch is not None and cfg.world_size < 2 and cfg.micro_cap(0) is None:
             logger.warning("one worker: the total batch stays %d, since the noise scale needs "
@@ -718,8 +726,12 @@ class Planner:
                 self._observe_timing(done)
         if self._window_ends:  # the last step of the previous plan is in: close its window
             self.tracker.end_window()
+            self.chosen_tracker.end_window()
             self._window_ends = False
         self._pending = self.predicted([r.batch for r in reports])
+        current = self.current
+        self._pending_chosen = (current.nodes is not None and current.reason != "pinned"
+                                and not current.reason.startswith(("probe", "try")))
 
     def _gradient_groups(self, reports: Sequence[StepReport]) -> tuple[list[float], list[int]]:
         """The noise scale's independent gradient estimates of a step and their batches:
@@ -764,6 +776,8 @@ class Planner:
             self._measured.append((tuple(t.batch for t in timings), measured))
             if self._pending is not None:
                 self.tracker.record(self._pending + stall, measured)
+                if self._pending_chosen:
+                    self.chosen_tracker.record(self._pending + stall, measured)
 
     def _check_drift(self, timings: Sequence[StepReport]) -> None:
         """Flag a worker whose measured compute has left its model for several steps, so
