@@ -71,20 +71,8 @@ def drive(seed: int, steps: int, config: PlannerConfig | None = None,
         predicted = planner.predicted(split)
         planner.observe(step, [WorkerReport(batch=b, previous=p)
                                for b, p in zip(split, previous, strict=True)], previous_global)
-        factors = np.exp(NOISE * rng.standard_normal((n, 2)))
-        fwd = [nd.forward_time(b) * k[0] for nd, b, k in zip(cluster.nodes, split, factors,
-                                                               strict=True)]
-        bwd = [nd.backward_time(b) * k[1] for nd, b, k in zip(cluster.nodes, split, factors,
-                                                                strict=True)]
         added = 0.0 if extra is None else extra(split)
-        measured = max(f + k for f, k in zip(fwd, bwd, strict=True)) + COMM.buckets[-1][1] + added
-        floors = [0.0] * n
-        if any(quotas):  # a CPU floor's noise: a step's CPU varies less than its phases' times
-            floors = [(nd.cpu_idle if b == 0 and nd.cpu_idle is not None else
-                       nd.cpu_floor[0] + nd.cpu_floor[1] * b) * float(np.exp(0.05 * z))
-                      if nd.cpu_floor else 0.0 for nd, b, z in
-                      zip(cluster.nodes, split, rng.standard_normal(n), strict=True)]
-            measured = max(measured, *floors)
+        fwd, bwd, floors, measured = simulate_step(cluster, split, rng, added)
         if predicted is not None:
             run.predicted.append(predicted)
             run.measured.append(measured)
@@ -100,6 +88,27 @@ def drive(seed: int, steps: int, config: PlannerConfig | None = None,
         if planner.due(step):
             planner.replan(step)
     return run
+
+
+def simulate_step(cluster: ClusterModel, split: Sequence[int], rng: np.random.Generator,
+                  added: float = 0.0) -> tuple[list[float], list[float], list[float], float]:
+    """One step of ``cluster`` at ``split``: each worker's noisy forward and backward, its
+    noisy CPU floor (0.0 without one), and the step's time (the last all-reduce ``added``
+    seconds longer)."""
+    factors = np.exp(NOISE * rng.standard_normal((cluster.size, 2)))
+    fwd = [nd.forward_time(b) * k[0] for nd, b, k in zip(cluster.nodes, split, factors,
+                                                           strict=True)]
+    bwd = [nd.backward_time(b) * k[1] for nd, b, k in zip(cluster.nodes, split, factors,
+                                                            strict=True)]
+    floors = [0.0] * cluster.size
+    if any(nd.cpu_floor for nd in cluster.nodes):  # a floor's noise: CPU varies less
+        floors = [(nd.cpu_idle if b == 0 and nd.cpu_idle is not None else
+                   nd.cpu_floor[0] + nd.cpu_floor[1] * b) * float(np.exp(0.05 * z))
+                  if nd.cpu_floor else 0.0 for nd, b, z in
+                  zip(cluster.nodes, split, rng.standard_normal(cluster.size), strict=True)]
+    measured = max(max(f + k for f, k in zip(fwd, bwd, strict=True)) + COMM.buckets[-1][1]
+                   + added, *floors)
+    return fwd, bwd, floors, measured
 
 
 def refit(planner: Planner) -> ClusterModel:
@@ -283,6 +292,8 @@ def test_a_worker_at_0_samples_is_modelled_at_its_own_cpu() -> None:
         run = drive(seed, 300, cluster=cluster)
         model = run.planner.cluster_model
         assert model is not None and model.nodes[2].cpu_idle == pytest.approx(idle, rel=0.05)
+        # each floor's noise is the one the simulated steps' CPU is drawn with
+        assert [nd.cpu_noise for nd in model.nodes] == pytest.approx([0.05] * 3, rel=0.3)
         split = zero_split(cluster, B).local_batches
         assert split[2] == 0
         assert model.node_times(list(split))[2] == pytest.approx(idle, rel=0.05)
@@ -304,8 +315,10 @@ def test_cpu_floors_predict_the_even_split_and_one_2x_away_on_quota_workers() ->
             held = run.planner.local_batches
             away = (held[0] // 2, held[1] + held[0] - held[0] // 2, held[2])
             for split in (even_split(cluster, B).local_batches, away):
-                errors[floor].append(model.expected_step_time(list(split))
-                                     / cluster.step_time(list(split)) - 1)
+                rng = np.random.default_rng(seed)  # the true mean step, as the steps ran
+                mean = float(np.mean([simulate_step(cluster, split, rng)[3]
+                                      for _ in range(2000)]))
+                errors[floor].append(model.expected_step_time(list(split)) / mean - 1)
             if floor:
                 assert float(np.mean(run.quality[200:])) <= 1.1, seed
     print(f"quota workers, predicted / true - 1 at the even split and 2x away: with CPU floors "

@@ -172,7 +172,10 @@ class NodeModel:
     below where the line through the busy batch sizes starts: on the quarter-core worker of
     ``bench_real`` under plain DDP (one run), a median of 9.1 ms of CPU per step at 0
     samples, 12.8 at 30 and 20.6 at 160, whose line starts at 11.0 (8 ms of wall time at a
-    quarter of a core).
+    quarter of a core). ``cpu_noise``: the relative standard deviation of the floor from
+    step to step (0: exact). A worker on its floor is as noisy as its CPU per step: the
+    quarter-core worker of ``bench_real`` at 0 samples, 10% (MAD) in one run, where an exact
+    floor predicted Cannikin's own balanced split 5-10% fast.
     """
 
     fwd: tuple[float, float]
@@ -185,6 +188,7 @@ class NodeModel:
     fixed_passes: int | None = None
     cpu_floor: tuple[float, float] | None = None
     cpu_idle: float | None = None
+    cpu_noise: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fwd", _check_line("fwd", self.fwd, self.name))
@@ -198,6 +202,12 @@ class NodeModel:
                 raise ValueError(f"node {self.name!r}: cpu_idle={self.cpu_idle!r} must be "
                                  f"finite and >= 0, with a cpu_floor (got {self.cpu_floor!r})")
             object.__setattr__(self, "cpu_idle", idle)
+        cpu_noise = float(self.cpu_noise)
+        if not (math.isfinite(cpu_noise) and cpu_noise >= 0) or (
+                cpu_noise > 0 and self.cpu_floor is None):
+            raise ValueError(f"node {self.name!r}: cpu_noise={self.cpu_noise!r} must be finite "
+                             f"and >= 0, and 0 without a cpu_floor (got {self.cpu_floor!r})")
+        object.__setattr__(self, "cpu_noise", cpu_noise)
         if not _is_int(self.min_batch) or self.min_batch < 0:
             raise ValueError(
                 f"node {self.name!r}: min_batch={self.min_batch!r} must be an integer >= 0"
@@ -389,30 +399,41 @@ class ClusterModel:
         return float(np.max(self.node_times(local_batches)))
 
     def expected_step_time(self, local_batches: npt.ArrayLike) -> float:
-        """Expected seconds of one step when each worker's compute is noisy (``noise``).
+        """Expected seconds of one step when each worker's compute is noisy (``noise``), and
+        its CPU floor too (``cpu_noise``).
 
         The step ends with the slowest worker of that step, so at a balanced split the
         mean step time is the expected maximum of the workers' times, not the max of their
-        means (12-26% more, measured on real 3-worker clusters). Worker i's share is taken
-        as normal with mean :meth:`node_times` and standard deviation ``noise_i`` times its
+        means (12-26% more, measured on real 3-worker clusters). Worker i's time is the
+        larger of its compute path and its CPU floor (:meth:`node_times`), each taken as
+        normal and independent: the path with standard deviation ``noise_i`` times its
         compute part (the communication left after its binding bucket is not its own
-        noise); equals :meth:`step_time` when no worker is noisy. Where a worker has a CPU
-        floor, only its time above the floor is noisy: it cannot run faster than its CPU
-        allows, and a worker held to its floor is exact. On CPU-quota workers the compute's
-        noise (~25%) over all of a worker's time over-predicted Cannikin's own split by
-        5-10%, where the quarter-core worker at 0 samples set the step at its floor.
+        noise), the floor with ``cpu_noise_i`` times the floor. So the step is the expected
+        maximum over every worker's path and floor; a worker far above its floor is as
+        noisy as its compute, one far below it as its CPU. Equals :meth:`step_time` when
+        nothing is noisy.
         """
         means = self.node_times(local_batches)
         arr = self.arrays
-        if not np.any(arr.noise > 0):
+        floor_noise = arr.floor_noise
+        if not (np.any(arr.noise > 0) or (floor_noise is not None and np.any(floor_noise > 0))):
             return float(np.max(means))
-        row, x = arr.rows_of(np.asarray(local_batches, dtype=np.float64))
-        binding = np.argmax(arr.offsets[row] + arr.slopes[row] * x[:, None], axis=1)
-        compute = means - arr.comm_left[binding]
-        if arr.floor_rows is not None:  # the last column
-            above = means - arr.floors(np.asarray(local_batches, dtype=np.float64), row, x)
-            compute = np.where(arr.floor_rows[row], np.minimum(compute, above), compute)
-        return expected_max(means, arr.noise * np.maximum(compute, 0.0))
+        batches = np.asarray(local_batches, dtype=np.float64)
+        row, x = arr.rows_of(batches)
+        lines = arr.offsets[row] + arr.slopes[row] * x[:, None]
+        if arr.floor_rows is None:
+            paths, floors, floor_sds = lines, np.empty(0), np.empty(0)
+        else:  # the last column is the floors': a time of its own, with a noise of its own
+            paths = lines[:, :-1]
+            on = arr.floor_rows[row]
+            assert floor_noise is not None
+            floors = arr.floors(batches, row, x)[on]
+            floor_sds = floor_noise[on] * floors
+        binding = np.argmax(paths, axis=1)
+        path = paths[np.arange(binding.size), binding]
+        compute = np.maximum(path - arr.comm_left[binding], 0.0)
+        return expected_max(np.concatenate([path, floors]),
+                            np.concatenate([arr.noise * compute, floor_sds]))
 
 
 @dataclass(frozen=True, eq=False)
@@ -463,6 +484,8 @@ class ClusterArrays:
     idle_floor: FloatArray | None = None
     """Each worker's :attr:`NodeModel.cpu_idle`, the last column's value at 0 samples (NaN:
     the line's), shape (n,); None when no worker has one."""
+    floor_noise: FloatArray | None = None
+    """Each worker's :attr:`NodeModel.cpu_noise`, shape (n,); None where not :attr:`floored`."""
 
     @property
     def floored(self) -> bool:
@@ -540,9 +563,10 @@ class ClusterArrays:
                             math.inf if n.micro_batch is None else n.micro_batch,
                             n.fixed_passes or 0, n.rows, n.noise,
                             *(n.cpu_floor or (math.nan, math.nan)),
-                            math.nan if n.cpu_idle is None else n.cpu_idle) for n in nodes],
-                          dtype=np.float64)
-        f0, f1, k0, k1, lo_w, hi_w, micro, fixed_w, rows, noise, c0, c1, idle = fields.T
+                            math.nan if n.cpu_idle is None else n.cpu_idle, n.cpu_noise)
+                           for n in nodes], dtype=np.float64)
+        f0, f1, k0, k1, lo_w, hi_w, micro, fixed_w, rows, noise, c0, c1, idle, cpu_noise = \
+            fields.T
         binding = cluster.comm.binding()
         rho = cluster.comm.ready_fractions[binding]
         remaining = cluster.comm.remaining[binding]
@@ -575,7 +599,8 @@ class ClusterArrays:
         return ClusterArrays(offsets=row_offsets, slopes=row_slopes, lo=lo, hi=hi,
                              comm_left=remaining, noise=noise, owner=owner, start=start,
                              first_row=first_row, micro=micro, passes=passes, floor_rows=has,
-                             idle_floor=idle if np.any(np.isfinite(idle)) else None)
+                             idle_floor=idle if np.any(np.isfinite(idle)) else None,
+                             floor_noise=None if has is None else cpu_noise)
 
 
 _FLOOR_SLOPE = 1e-6
@@ -1108,6 +1133,15 @@ class CpuFitter:
         """CPU seconds at 0 samples (their median, under the busy sizes' if it was above
         them); None before it is measured ``min_samples`` times."""
         return self._floor_levels().get(0.0)
+
+    def noise(self) -> float:
+        """The relative standard deviation of the CPU per step around its batch size's
+        median, pooled over the batch sizes (1.4826 times the median absolute relative
+        deviation: robust to the odd stalled step); 0.0 before a size is measured
+        ``min_samples`` times. The floor's noise (:attr:`NodeModel.cpu_noise`)."""
+        deviations = [abs(cpu / centre - 1.0) for level in self._levels().values()
+                      if (centre := statistics.median(level)) > 0 for cpu in level]
+        return 1.4826 * statistics.median(deviations) if deviations else 0.0
 
 
 def _nondecreasing(values: Sequence[float], weights: Sequence[int]) -> list[float]:

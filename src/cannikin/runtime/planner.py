@@ -1136,8 +1136,9 @@ class Planner:
 
     def _with_cpu_floors(self, nodes: list[NodeModel]) -> list[NodeModel]:
         """``nodes`` with each worker's CPU per step over its cores as its ``cpu_floor``,
-        where two of its batch sizes are measured (:meth:`CpuFitter.floor_line`), and at 0
-        samples as its ``cpu_idle`` where measured (:meth:`CpuFitter.idle`)."""
+        where two of its batch sizes are measured (:meth:`CpuFitter.floor_line`), at 0
+        samples as its ``cpu_idle`` where measured (:meth:`CpuFitter.idle`), and its
+        relative spread as its ``cpu_noise`` (:meth:`CpuFitter.noise`)."""
         if not self.config.cpu_floor or not any(f.num_samples for f in self.cpu_fitters):
             return nodes
         floored = []
@@ -1146,7 +1147,7 @@ class Planner:
             idle = fitter.idle() if line is not None else None
             floored.append(node if line is None else dataclasses.replace(
                 node, cpu_floor=(line[0] / cores, line[1] / cores),
-                cpu_idle=None if idle is None else idle / cores))
+                cpu_idle=None if idle is None else idle / cores, cpu_noise=fitter.noise()))
         return floored
 
     def _bounded(self, cluster: ClusterModel, *, min_local: int) -> ClusterModel:
