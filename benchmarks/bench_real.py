@@ -8,8 +8,10 @@ starts with one untimed step of its own, so that none is timed on the previous o
 
 * plain torch DDP at the even split;
 * Cannikin (HeteroDataParallel, split "optimal"), after a warm-up in which it learns the
-  workers and settles its split;
-* plain DDP at Cannikin's split (as it stood after the warm-up);
+  workers and settles its split (150 steps: by then a held plan is re-checked every 40
+  steps and measured every 4th, as in a long run; 60 left it re-planning every 10-20 steps
+  in the blocks), and on to the end of a probe or a trial in force then;
+* plain DDP at Cannikin's split (as it stood after the warm-up: one it chose, not a probe's);
 * plain DDP at a sweep of fixed splits, including 0 samples for the slowest worker;
 * Cannikin held (a second HeteroDataParallel, its split pinned with ``pin_split``) at
   Cannikin's split, at the even split, and at a split 2x away (the fastest worker's batch
@@ -147,6 +149,8 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
 
     for _ in range(warmup_steps):
         hdp_step()
+    while hdp.plan_history[-1].reason.startswith(("probe", "try")):
+        hdp_step()  # a probe's or a trial's split is not the one Cannikin chose
     cannikin_split = tuple(hdp.plan.local_batches)
     even = tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))
     ddp_step(even)  # DDP's first steps rebuild its buckets: not timed
@@ -367,8 +371,9 @@ def main() -> int:
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=10, help="blocks per configuration")
     parser.add_argument("--block-steps", type=int, default=4, help="steps per block")
-    parser.add_argument("--warmup-steps", type=int, default=60,
-                        help="Cannikin steps before the blocks (it learns and settles)")
+    parser.add_argument("--warmup-steps", type=int, default=150,
+                        help="Cannikin steps before the blocks (it learns and settles), and "
+                             "on to the end of a probe or a trial in force then")
     args = parser.parse_args()
     if args.worker is not None:
         _worker(args.worker, args.rounds, args.block_steps, args.warmup_steps)
