@@ -174,8 +174,8 @@ class NodeModel:
     samples, 12.8 at 30 and 20.6 at 160, whose line starts at 11.0 (8 ms of wall time at a
     quarter of a core). ``cpu_noise``: the relative standard deviation of the floor from
     step to step (0: exact). A worker on its floor is as noisy as its CPU per step: the
-    quarter-core worker of ``bench_real`` at 0 samples, 10% (MAD) in one run, where an exact
-    floor predicted Cannikin's own balanced split 5-10% fast.
+    quarter-core worker of ``bench_real`` at 0 samples, 10-11% (MAD) in three runs, where an
+    exact floor predicted Cannikin's own balanced split 5-15% fast (docs/runtime.md).
     """
 
     fwd: tuple[float, float]

@@ -551,7 +551,7 @@ class Planner:
     history: list[PlanRecord] = field(default_factory=list, init=False)
     cached: dict[str, NodeModel] = field(default_factory=dict, init=False)
     _pending: float | None = field(default=None, init=False)  # prediction for the last step
-    _pending_chosen: bool = field(default=False, init=False)  # its split was chosen (above)
+    _pending_chosen: bool = field(default=False, init=False)  # for chosen_tracker too
     _interval: int = field(default=0, init=False)  # steps from one re-plan to the next
     _next_replan: int = field(default=0, init=False)
     _window_ends: bool = field(default=False, init=False)
