@@ -173,9 +173,10 @@ class NodeModel:
     ``bench_real`` under plain DDP (one run), a median of 9.1 ms of CPU per step at 0
     samples, 12.8 at 30 and 20.6 at 160, whose line starts at 11.0 (8 ms of wall time at a
     quarter of a core). ``cpu_noise``: the relative standard deviation of the floor from
-    step to step (0: exact). A worker on its floor is as noisy as its CPU per step: the
-    quarter-core worker of ``bench_real`` at 0 samples, 10-11% (MAD) in three runs, where an
-    exact floor predicted Cannikin's own balanced split 5-15% fast (docs/runtime.md).
+    step to step (0: exact). A worker on its floor is as noisy as its CPU per step: a
+    quarter-core worker at 0 samples (``bench_real``'s model and quotas, Cannikin alone for
+    400-600 steps), 10-11% (MAD) in three runs, where an exact floor predicted Cannikin's
+    own balanced split 5-15% fast (docs/runtime.md, "The balanced step").
     """
 
     fwd: tuple[float, float]
