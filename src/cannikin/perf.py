@@ -385,6 +385,11 @@ class ClusterModel:
         The step time is the largest of these; bounds (min/max batch) are not enforced
         here so that any split, feasible or not, can be evaluated.
         """
+        return self.arrays.worker_times(self._checked(local_batches))
+
+    def _checked(self, local_batches: npt.ArrayLike) -> FloatArray:
+        """``local_batches`` as floats, shape (n,) or (n, T); a ValueError naming them if
+        they are not finite and >= 0, one per node."""
         b = np.asarray(local_batches, dtype=np.float64)
         if b.ndim not in (1, 2) or b.shape[0] != self.size:
             raise ValueError(
@@ -393,7 +398,7 @@ class ClusterModel:
             )
         if not np.all(np.isfinite(b)) or np.any(b < 0):
             raise ValueError(f"local_batches must be finite and >= 0, got {b.tolist()}")
-        return self.arrays.worker_times(b)
+        return b
 
     def step_time(self, local_batches: npt.ArrayLike) -> float:
         """Predicted seconds of one synchronous step with these local batches (DESIGN §1)."""
@@ -414,12 +419,11 @@ class ClusterModel:
         noisy as its compute, one far below it as its CPU. Equals :meth:`step_time` when
         nothing is noisy.
         """
-        means = self.node_times(local_batches)
         arr = self.arrays
         floor_noise = arr.floor_noise
         if not (np.any(arr.noise > 0) or (floor_noise is not None and np.any(floor_noise > 0))):
-            return float(np.max(means))
-        batches = np.asarray(local_batches, dtype=np.float64)
+            return self.step_time(local_batches)
+        batches = self._checked(local_batches)
         row, x = arr.rows_of(batches)
         lines = arr.offsets[row] + arr.slopes[row] * x[:, None]
         if arr.floor_rows is None:
