@@ -149,7 +149,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
 
     for _ in range(warmup_steps):
         hdp_step()
-    while hdp.plan_history[-1].reason.startswith(("probe", "try")):
+    while hdp.plan_history[-1].exploring:
         hdp_step()  # a probe's or a trial's split is not the one Cannikin chose
     cannikin_split = tuple(hdp.plan.local_batches)
     even = tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))

@@ -524,6 +524,11 @@ class PlanRecord:
     """Workers planned 0 samples that still slow the step (their fixed time or all-reduce
     share), with the predicted step time without each (:func:`~cannikin.optperf.costly_workers`)."""
 
+    @property
+    def exploring(self) -> bool:
+        """A probe's or a trial's split: planned to learn, not for speed."""
+        return self.reason.startswith(("probe", "try"))
+
 
 @dataclass
 class Planner:
@@ -731,7 +736,7 @@ class Planner:
         self._pending = self.predicted([r.batch for r in reports])
         current = self.current
         self._pending_chosen = (current.nodes is not None and current.reason != "pinned"
-                                and not current.reason.startswith(("probe", "try")))
+                                and not current.exploring)
 
     def _gradient_groups(self, reports: Sequence[StepReport]) -> tuple[list[float], list[int]]:
         """The noise scale's independent gradient estimates of a step and their batches:
@@ -894,7 +899,7 @@ class Planner:
             self._interval = cfg.replan_every
         elif reason == "cadence":
             self._interval = min(2 * self._interval, cfg.max_replan_every)
-        if not record.reason.startswith(("probe", "try")):
+        if not record.exploring:
             self._interval = max(self._interval, self._affordable_interval(record))
         self._next_replan = step + self._interval
         changed = (record.local_batches != self.current.local_batches
