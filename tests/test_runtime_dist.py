@@ -212,6 +212,10 @@ def test_a_pinned_split_holds_exactly_until_released(figures: dict[str, Any]) ->
     pin = figures["pinned_split"]
     assert pin["splits"][:8] == [pin["pinned"]] * 8  # two epochs of 4 steps
     assert pin["rel_err"] < 1e-5
+    # held: every 4th step measured, and only the step after one (and the first) exchanges
+    assert pin["measured"][:8] == [step % 4 == 0 for step in range(8)]
+    assert pin["exchanged"][:8] == [step % 4 == 1 or step == 0 for step in range(8)]
+    assert all(n >= 1 for n in pin["fitted"])  # step 4's measurements reached the planner
     history = pin["history"]
     assert [reason for _, reason, _ in history[:2]] == ["start", "pinned"]
     # released before step 8: re-planned after it, not on the backed-off cadence. Whether
@@ -354,6 +358,9 @@ def test_a_seeded_backward_trains_as_a_plain_one(figures: dict[str, Any],
     plain = figures["seeded_backward"][f"{optimizer}_plain"]
     seeded = figures["seeded_backward"][f"{optimizer}_seeded"]
     assert plain["rel_err"] < 1e-5 and seeded["rel_err"] < 1e-5
+    if optimizer == "sgd":  # |g|^2 as rank 2 (the largest batch) took it, via the exchange
+        for run in (plain, seeded):
+            assert run["global_sqnorms"] >= 5 and run["global_sqnorm_err"] < 1e-5, run
     drift = max(abs(a - b) for a, b in zip(plain["params"], seeded["params"], strict=True))
     # the two differ by rounding (w x g against g then x w); Adam divides each element by
     # its own root mean square, so an element whose gradient is near 0 magnifies it

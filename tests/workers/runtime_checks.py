@@ -335,18 +335,22 @@ def check_pinned_split() -> dict[str, Any]:
     pinned = [5, 20, 35][:dist.get_world_size()]
     pinned[-1] += 60 - sum(pinned)
     model.pin_split(pinned)
-    splits, worst = [], 0.0
+    splits, worst, exchanged, measured = [], 0.0, [], []
     for epoch in range(4):
         if epoch == 2:
+            fitted = [f.num_samples for f in model.planner.fitters]
             model.pin_split(None)
         for x, y, idx in loader:
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
+            exchanged.append(model.comm.rows is not None)
             worst = max(worst, _gradient_error(net, ref, data, idx, torch.device("cpu")))
             opt.step()
             splits.append(list(model.last_metrics["local_batches"]))
+            measured.append(model.last_metrics["measured"])
     model.remove_hooks()
-    return {"pinned": pinned, "splits": splits, "rel_err": worst,
+    return {"pinned": pinned, "splits": splits, "rel_err": worst, "exchanged": exchanged,
+            "measured": measured, "fitted": fitted,
             "history": [[r.step, r.reason, list(r.local_batches)] for r in model.plan_history]}
 
 
@@ -507,6 +511,15 @@ def _seeded_run(optimizer: str, seeded: bool, steps: int = 40) -> dict[str, Any]
     split[-1] += 60 - sum(split)
     model.pin_split(split)
     worst, refused = 0.0, ""
+    reference_sq: list[float] = []  # each step's |g|^2, one process
+    received: list[tuple[int, float]] = []  # (step, |g|^2) as the noise scale got them
+    update = model.planner.noise.update
+
+    def spy(sqnorms: list[float], batches: list[int], global_sqnorm: float) -> None:
+        received.append((model.step - 1, global_sqnorm))  # the exchange is a step late
+        update(sqnorms, batches, global_sqnorm)
+
+    model.planner.noise.update = spy  # type: ignore[method-assign]
     for step, (x, y, idx) in enumerate(loader):
         if step == steps:
             break
@@ -522,11 +535,15 @@ def _seeded_run(optimizer: str, seeded: bool, steps: int = 40) -> dict[str, Any]
             model.backward(loss)
         else:
             loss.backward()
-        worst = max(worst, _gradient_error(net, copy.deepcopy(net), data, idx,
-                                           torch.device("cpu")))
+        ref = copy.deepcopy(net)
+        worst = max(worst, _gradient_error(net, ref, data, idx, torch.device("cpu")))
+        reference_sq.append(sum(float(q.grad.square().sum()) for q in ref.parameters()))
         opt.step()
     model.remove_hooks()
+    global_err = max((_relative(got, reference_sq[step]) for step, got in received),
+                     default=math.inf)
     return {"rel_err": worst, "noise_scale": model.noise_scale, "refused": refused,
+            "global_sqnorm_err": global_err, "global_sqnorms": len(received),
             "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()}
 
 

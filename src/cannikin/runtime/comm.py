@@ -71,6 +71,11 @@ class CommState:
     weight: float = 1.0
     transform: GradTransform | None = None
     capture_sqnorm: bool = True
+    takes_global: bool = True
+    """Take |g|^2 of the all-reduced buckets here (with ``capture_sqnorm``). The reduced
+    gradient is the same on every rank, so HeteroDataParallel has one rank take it (the
+    one with the step's largest local batch) and the exchange tell the others: on each
+    of the others it was a pass over the whole gradient on every step that takes norms."""
     seeded: bool = False
     """The backward running was seeded with ``weight`` (HeteroDataParallel.backward): the
     buckets already hold b_i / B times the local gradient, and the hook does not scale them."""
@@ -145,7 +150,7 @@ class CommState:
         """What this step's collectives left on the device, read in one transfer: the
         exchange ``rows`` summed over ranks (None if they were not sent) and, with
         ``norms``, |g_i|^2 of the local gradient (0.0 if no bucket was seen), |g|^2 of the
-        all-reduced one (None if the hook did not measure it) and each watched
+        all-reduced one (None if the hook did not take it here) and each watched
         micro-batch's |g|^2. On a GPU that is the step's one host synchronisation, not one
         per part (with Adam a part is a parameter) and another for the rows."""
         groups: list[list[torch.Tensor]] = []
@@ -437,7 +442,7 @@ def _finish(state: CommState, reduction: _Reduction) -> None:
     reduced = reduction.sent[:reduction.size]
     if reduction.carries_rows:
         state.rows_tail = reduction.sent[reduction.size:]
-    if reduction.measured:
+    if reduction.measured and state.takes_global:
         state._add_global(reduction.bucket, reduced)
     reduction.result.set_result(reduced)
 

@@ -12,9 +12,9 @@ optimizer's public step hooks):
    (``model.backward(loss)`` also recovers from a CUDA out-of-memory in it);
 4. ``optimizer.step()``: the pre-hook turns the marks into a
    :class:`~cannikin.runtime.planner.StepReport`, reads every rank's report of the
-   previous step (they rode with a gradient bucket: no extra collective), feeds the
-   planner and the noise scale, applies the LR factor and re-plans on the cadence; the
-   post-hook restores the LR and logs metrics.
+   previous step if it was measured (they rode with a gradient bucket: no extra
+   collective), feeds the planner and the noise scale, applies the LR factor and re-plans
+   on the cadence; the post-hook restores the LR and logs metrics.
 
 The cycle of a step runs from the end of the previous backward to the end of this one,
 so F_i (``fwd_s``) covers the optimizer step, data loading and the forward, and the
@@ -88,7 +88,6 @@ class _Cycle:
     """This step's local batches."""
     previous: StepReport | None = None
     """This rank's last finished step (the next exchange carries it)."""
-    previous_global_sqnorm: float | None = None
     prev_mark: Any = None
     """The clock's mark at the end of the previous step: where this step's cycle starts."""
     measure_from: Any = None
@@ -114,6 +113,14 @@ class _Cycle:
     """Between the loader handing out a step and its optimizer step."""
     measuring: bool = True
     """This step's timings go to the planner."""
+    planned_measuring: bool = True
+    """The planner has this step measured (:meth:`Planner.measures`, the same on every rank,
+    whether or not this rank was interrupted): the next step's exchange carries it."""
+    exchanges: bool = True
+    """This step's backward carries the exchange (every rank alike): the step before was
+    planned to be measured, or it is the first, or every step exchanges
+    (:attr:`_Attached.exchange_every_step`). A step with nothing to report skips it: on a
+    quarter-core worker, making, sending and reading the rows cost ~0.15 ms of CPU."""
     norms: bool = True
     """This step's gradient norms are taken (for the noise scale)."""
     interrupted: bool = False
@@ -153,6 +160,9 @@ class _Attached:
     scaler: LRScaler
     noise_decides: bool
     """The noise scale chooses the batch or the LR (norms on every measured step)."""
+    exchange_every_step: bool
+    """Some worker is on a GPU: a CUDA out-of-memory in any step must reach every rank in
+    that step's exchange."""
     hooks: list[Any]
 
 
@@ -170,6 +180,16 @@ def _first_grad_tensor(value: Any) -> torch.Tensor | None:
             if found is not None:
                 return found
     return None
+
+
+def _summed_global_sqnorm(reports: Sequence[WorkerReport]) -> float | None:
+    """|g|^2 of the previous step's all-reduced gradient, from the ranks' shares in the
+    exchange (:attr:`StepReport.global_sqnorm`); None unless every rank measured it."""
+    shares = [None if r.previous is None else r.previous.global_sqnorm for r in reports]
+    if any(share is None for share in shares):
+        return None
+    total = sum(share for share in shares if share is not None)  # one is not 0
+    return total if math.isfinite(total) else None
 
 
 def _map_batched(value: Any, fn: Any) -> Any:
@@ -293,9 +313,9 @@ class HeteroDataParallel(nn.Module):
         options = self._options
         precondition = Preconditioner(optimizer)
         self.comm.transform = precondition if precondition.adaptive else None
-        caps, names, recovers = self._gather_identity(options.max_local_batch,
-                                                      options.device_name,
-                                                      options.recover_backward_oom)
+        caps, names, recovers, any_gpu = self._gather_identity(options.max_local_batch,
+                                                               options.device_name,
+                                                               options.recover_backward_oom)
         self.comm.rows_at_last = recovers
         auto = loader.autoscale
         lo, hi = auto.local_bsz_bounds if auto is not None else (1, None)
@@ -321,6 +341,7 @@ class HeteroDataParallel(nn.Module):
             # the noise scale chooses the batch or the LR: norms on every measured step,
             # else on every NORM_STRIDE-th (for the metrics)
             noise_decides=auto is not None or lr_scaling in ("adascale", "adamscale"),
+            exchange_every_step=any_gpu or recovers,
             hooks=[optimizer.register_step_pre_hook(self._before_optimizer_step),
                    optimizer.register_step_post_hook(self._after_optimizer_step)])
         loader.attach(self, self.rank, self.world_size)
@@ -371,9 +392,9 @@ class HeteroDataParallel(nn.Module):
 
     def _gather_identity(self, max_local_batch: int | Sequence[int | None] | None,
                          device_name: str | None, recover_backward_oom: bool | None,
-                         ) -> tuple[tuple[int | None, ...], tuple[str, ...], bool]:
-        """Every rank's memory cap and device name, and whether a backward's out-of-memory
-        is recovered from (one all-gather at start-up)."""
+                         ) -> tuple[tuple[int | None, ...], tuple[str, ...], bool, bool]:
+        """Every rank's memory cap and device name, whether a backward's out-of-memory is
+        recovered from, and whether any worker is on a GPU (one all-gather at start-up)."""
         if isinstance(max_local_batch, Sequence):
             if len(max_local_batch) != self.world_size:
                 raise ValueError(f"max_local_batch has {len(max_local_batch)} entries, expected "
@@ -396,11 +417,13 @@ class HeteroDataParallel(nn.Module):
             raise ValueError(f"recover_backward_oom differs between ranks: "
                              f"{[g[2] for g in gathered]} (rank order); pass the same value "
                              f"on every rank")
-        recovers = asked.pop() if asked else _RESETTABLE and any(g[3] for g in gathered)
+        any_gpu = any(g[3] for g in gathered)
+        recovers = asked.pop() if asked else _RESETTABLE and any_gpu
         if recovers and not _RESETTABLE:
             raise ValueError(f"recover_backward_oom=True needs torch >= 2.4 (its DDP reducer's "
                              f"reset after a failed backward); this is torch {torch.__version__}")
-        return tuple(g[0] for g in gathered), tuple(g[1] for g in gathered), recovers
+        return (tuple(g[0] for g in gathered), tuple(g[1] for g in gathered), recovers,
+                any_gpu)
 
     # -- exposed state ---------------------------------------------------------------------------
     @property
@@ -506,7 +529,9 @@ class HeteroDataParallel(nn.Module):
         interrupted = cycle.interrupted or cycle.stepping
         if cycle.stepping and self.comm.rows_at_last:
             self._reset_after_unreached_oom()
-        cycle.measuring = self.planner.measures(cycle.step) and not interrupted
+        cycle.exchanges = cycle.planned_measuring or self.attached.exchange_every_step
+        cycle.planned_measuring = self.planner.measures(cycle.step)
+        cycle.measuring = cycle.planned_measuring and not interrupted
         cycle.interrupted = False
         # the passes before the last accumulate; the last one's gradient holds the sum of
         # every pass's mean gradient weighted by its size over the last's (begin_pass), so
@@ -517,6 +542,7 @@ class HeteroDataParallel(nn.Module):
         cycle.norms = cycle.measuring and (self.attached.noise_decides
                                            or cycle.step % NORM_STRIDE == 0)
         self.comm.capture_sqnorm = cycle.norms
+        self.comm.takes_global = split.index(max(split)) == self.rank
         if cycle.norms and len(cycle.passes) > 1:
             self.comm.watch_passes(list(self.ddp.module.parameters()), len(cycle.passes))
         else:
@@ -573,7 +599,7 @@ class HeteroDataParallel(nn.Module):
             tensor = _first_grad_tensor(out)
             if tensor is not None:
                 tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
-        if cycle.stepping and self.comm.rows is None:
+        if cycle.stepping and cycle.exchanges and self.comm.rows is None:
             self.comm.rows = self._exchange_rows()  # sent with a gradient bucket
         return out
 
@@ -687,7 +713,7 @@ class HeteroDataParallel(nn.Module):
                             group=self.ddp.process_group)
 
     def _measure(self, step_s: float, cpu_s: float, local_sqnorm: float,
-                 pass_sqnorms: tuple[float, ...]) -> StepReport:
+                 pass_sqnorms: tuple[float, ...], global_sqnorm: float | None) -> StepReport:
         """This rank's measurements of the step just finished (its measured period
         ``step_s``, from ``measure_from``; the process's CPU seconds in it ``cpu_s``)."""
         cycle = self._cycle
@@ -723,7 +749,8 @@ class HeteroDataParallel(nn.Module):
                             sqnorm=local_sqnorm, pass_sqnorms=pass_sqnorms,
                             fwd_s=start, bwd_s=bwd, step_s=step_s,
                             ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce),
-                            cpu_s=cpu_s, cpu_cores=self.cpu_cores, plan_s=cycle.plan_s)
+                            cpu_s=cpu_s, cpu_cores=self.cpu_cores, plan_s=cycle.plan_s,
+                            global_sqnorm=global_sqnorm)
         return report
 
     def _exchange_rows(self) -> np.ndarray:
@@ -746,8 +773,11 @@ class HeteroDataParallel(nn.Module):
         return [WorkerReport.from_vector(row) for row in rows.tolist()]
 
     def _global_sqnorm(self, measured: float | None) -> float:
-        """|g|^2 of the all-reduced gradient, in the noise scale's space: as the hook took
-        it (``measured``), or from the gradients if no bucket reached the hook this step."""
+        """This rank's share of |g|^2 of the all-reduced gradient, in the noise scale's
+        space (:attr:`StepReport.global_sqnorm`): 0 where another rank takes it; as the
+        hook took it (``measured``), or from the gradients if no bucket reached the hook."""
+        if not self.comm.takes_global:
+            return 0.0
         if measured is not None:
             return measured
         total = 0.0
@@ -773,19 +803,21 @@ class HeteroDataParallel(nn.Module):
         # so the timings below wait for nothing
         readout = self.comm.read_step(cycle.measuring and cycle.norms)
         step_s = self.clock.elapsed(cycle.prev_mark, end)
-        report = global_sqnorm = None
+        report = None
         if cycle.measuring:
+            global_sqnorm = self._global_sqnorm(readout.global_sqnorm) if cycle.norms else None
             report = self._measure(self.clock.elapsed(cycle.measure_from, end),
                                    cpu - cycle.prev_cpu, readout.local_sqnorm,
-                                   readout.pass_sqnorms)
-            if cycle.norms:
-                global_sqnorm = self._global_sqnorm(readout.global_sqnorm)
-        reports = self._exchange(readout.rows)
-        self.collective_timeout.observe(reports)
-        planned = tuple(r.batch for r in reports)
-        if planned != cycle.split:
-            raise RuntimeError(f"rank {self.rank} planned split {list(cycle.split)} but the "
-                               f"workers ran {list(planned)}: the ranks' plans diverged")
+                                   readout.pass_sqnorms, global_sqnorm)
+        if cycle.exchanges:
+            reports = self._exchange(readout.rows)
+            self.collective_timeout.observe(reports)
+            planned = tuple(r.batch for r in reports)
+            if planned != cycle.split:
+                raise RuntimeError(f"rank {self.rank} planned split {list(cycle.split)} but "
+                                   f"the workers ran {list(planned)}: the ranks' plans diverged")
+        else:  # nothing to report: no worker measured the step before
+            reports = [WorkerReport(batch=b, oom=False, previous=None) for b in cycle.split]
         cycle.prev_mark = cycle.measure_from = end
         cycle.prev_cpu, cycle.plan_s = cpu, 0.0
         cycle.scaled = False
@@ -794,9 +826,9 @@ class HeteroDataParallel(nn.Module):
             self._skip_step_after_oom(reports)
             return
         predicted = self.planner.predicted(cycle.split)
-        self.planner.observe(cycle.step, reports, cycle.previous_global_sqnorm)
+        self.planner.observe(cycle.step, reports, _summed_global_sqnorm(reports))
         self._follow_preconditioner()
-        cycle.previous, cycle.previous_global_sqnorm = report, global_sqnorm
+        cycle.previous = report
         noise = self.planner.noise
         total = sum(cycle.split)
         factor = self.scaler.step_begin(total, noise.grad_sqr, noise.grad_var)
@@ -951,14 +983,14 @@ class HeteroDataParallel(nn.Module):
         per-step exchange carries only with the next step. Restored on a resume with the
         same workers, the planner and the noise scale see every step as without a restart."""
         cycle = self._cycle
-        return {"previous": None if cycle.previous is None else cycle.previous.to_vector(),
-                "previous_global_sqnorm": cycle.previous_global_sqnorm}
+        return {"previous": None if cycle.previous is None else cycle.previous.to_vector()}
 
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore this rank's :meth:`rank_state_dict` (only with the world size that saved it)."""
+        """Restore this rank's :meth:`rank_state_dict` (only with the world size that saved
+        it). One saved before the ranks' reports carried their shares of |g|^2 restores
+        without the noise scale's next update."""
         previous = state["previous"]
         self._cycle.previous = None if previous is None else StepReport.from_vector(previous)
-        self._cycle.previous_global_sqnorm = state["previous_global_sqnorm"]
 
     def remove_hooks(self) -> None:
         """Detach from the optimizer and remove the emulation (the model stays wrapped)."""

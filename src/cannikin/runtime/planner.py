@@ -55,10 +55,12 @@ MAX_BUCKETS = 16
 MAX_PASSES = 16
 """Most micro-batches per step and worker (:attr:`PlannerConfig.max_micro_batches`): each
 one's |g|^2 rides in the step report."""
-_PREVIOUS = 11 + 2 * MAX_BUCKETS + MAX_PASSES
+_PREVIOUS = 12 + 2 * MAX_BUCKETS + MAX_PASSES
 """batch, timed, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c.., passes, sqnorm..,
-cpu_s, cpu_cores, plan_s"""
-_BEFORE_PLAN = _PREVIOUS - 1
+cpu_s, cpu_cores, plan_s, global_sqnorm"""
+_BEFORE_GLOBAL = _PREVIOUS - 1
+"""The length of a report saved before its share of the reduced gradient's |g|^2."""
+_BEFORE_PLAN = _BEFORE_GLOBAL - 1
 """The length of a report saved before its re-plan time (a rank checkpoint)."""
 _BEFORE_CPU = _BEFORE_PLAN - 2
 """The length of a report saved before its CPU time."""
@@ -104,6 +106,10 @@ class StepReport:
     """Wall seconds this rank spent re-planning between the previous step and this one (0:
     no re-plan). Every rank re-plans there, and the others wait in this step's all-reduce
     for the slowest: on a worker held to a quarter of a core a re-plan took ~20 ms."""
+    global_sqnorm: float | None = None
+    """|g|^2 of the step's all-reduced gradient (the noise scale's space) as this rank took
+    it: the whole on the rank with the step's largest local batch, 0 on the others, None
+    where the step's norms were not taken. The ranks' reports sum to it."""
 
     def to_vector(self) -> list[float]:
         ready, comm = merge_buckets(self.ready_fractions, self.allreduce_s, MAX_BUCKETS)
@@ -114,7 +120,8 @@ class StepReport:
         return [float(self.batch), float(self.timed), self.sqnorm, self.fwd_s, self.bwd_s,
                 self.step_s, float(len(ready)), *ready, *pad, *comm, *pad,
                 float(len(self.pass_sqnorms)), *self.pass_sqnorms, *passes, self.cpu_s,
-                self.cpu_cores, self.plan_s]
+                self.cpu_cores, self.plan_s,
+                math.nan if self.global_sqnorm is None else self.global_sqnorm]
 
     @property
     def timed(self) -> int:
@@ -131,9 +138,12 @@ class StepReport:
             values = [*values, 0.0, 0.0]
         if len(values) == _BEFORE_PLAN:  # saved before the re-plan time
             values = [*values, 0.0]
+        if len(values) == _BEFORE_GLOBAL:  # saved before the share of |g|^2
+            values = [*values, math.nan]
         if len(values) != _PREVIOUS:
             raise ValueError(f"a step report has {_PREVIOUS} values, got {len(values)}")
         m = int(values[6])
+        global_sqnorm = float(values[_BEFORE_GLOBAL])
         batch, timed = int(values[0]), int(values[1])
         return StepReport(batch=batch, timed_batch=None if timed == batch else timed,
                           sqnorm=float(values[2]), fwd_s=float(values[3]),
@@ -146,7 +156,8 @@ class StepReport:
                               + int(values[_BEFORE_PASSES])]),
                           cpu_s=float(values[_BEFORE_CPU]),
                           cpu_cores=float(values[_BEFORE_CPU + 1]),
-                          plan_s=float(values[_BEFORE_PLAN]))
+                          plan_s=float(values[_BEFORE_PLAN]),
+                          global_sqnorm=None if math.isnan(global_sqnorm) else global_sqnorm)
 
 
 @dataclass(frozen=True, kw_only=True)
