@@ -8,9 +8,10 @@ starts with one untimed step of its own, so that none is timed on the previous o
 
 * plain torch DDP at the even split;
 * Cannikin (HeteroDataParallel, split "optimal"), after a warm-up in which it learns the
-  workers and settles its split (150 steps: by then a held plan is re-checked every 40
-  steps and measured every 4th, as in a long run; 60 left it re-planning every 10-20 steps
-  in the blocks), and on to the end of a probe or a trial in force then;
+  workers and settles its split: 150 steps, and on until its plan is held (re-checked
+  every 40 steps and measured every 4th, as in a long run; 150 steps alone left it
+  re-planning every 16-20 steps and measuring every step in the blocks in some runs) and
+  no probe or trial is in force, up to 600 steps;
 * plain DDP at Cannikin's split (as it stood after the warm-up: one it chose, not a probe's);
 * plain DDP at a sweep of fixed splits, including 0 samples for the slowest worker;
 * Cannikin held (a second HeteroDataParallel, its split pinned with ``pin_split``) at
@@ -149,9 +150,15 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
 
     for _ in range(warmup_steps):
         hdp_step()
-    while hdp.plan_history[-1].exploring:
-        hdp_step()  # a probe's or a trial's split is not the one Cannikin chose
+    steps = warmup_steps
+    # a probe's or a trial's split is not the one Cannikin chose; and a plan not held yet is
+    # measured every step, as only its first ~75 steps are in a long run
+    while (hdp.plan_history[-1].exploring or not hdp.planner.held) and steps < 4 * warmup_steps:
+        hdp_step()
+        steps += 1
+    settled = not hdp.plan_history[-1].exploring and hdp.planner.held
     cannikin_split = tuple(hdp.plan.local_batches)
+    warm_plans = len(hdp.plan_history)
     even = tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))
     ddp_step(even)  # DDP's first steps rebuild its buckets: not timed
     ddp_step(even)
@@ -231,6 +238,9 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             "splits": {k: list(v) if v else None for k, v in configs.items()},
             "cannikin_final": list(hdp.plan.local_batches), "cannikin_warm": list(cannikin_split),
             "errors": errors, "plans": len(hdp.plan_history), "model_s": model_s,
+            "warmup": steps, "settled": settled,
+            "block_plans": [[r.step, r.reason, list(r.local_batches)]
+                            for r in hdp.plan_history[warm_plans:]],
             "cpu_ms": cpu_ms, "slowest_s": slowest_s,
             "costly": [[w.rank, w.cost_s, w.speedup] for w in hdp.plan_history[-1].costly],
             "cpu_floors": [nd.cpu_floor for nd in model.nodes] if model else [None] * world,
@@ -319,7 +329,12 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
             print(f"  rank {rank}: {line}; {seen}")
     warm, final = result["cannikin_warm"], result["cannikin_final"]
     moved = "" if warm == final else f" (after the warm-up: {'/'.join(map(str, warm))})"
-    print(f"\nCannikin's split {'/'.join(map(str, final))}{moved}, {result['plans']} plans")
+    print(f"\nCannikin's split {'/'.join(map(str, final))}{moved}, {result['plans']} plans; "
+          f"warm-up {result['warmup']} steps, " + ("ending on a held plan (measured every "
+          "4th step)" if result["settled"] else "its plan not held by then"))
+    print("its plans in the blocks: " + ("; ".join(
+        f"step {step} {reason} {'/'.join(map(str, split))}"
+        for step, reason, split in result["block_plans"]) or "none"))
     print("workers its last plan reports as slowing the step at 0 samples: " + (", ".join(
         f"rank {rank} ({1e3 * cost:.1f} ms per step, predicted {speedup:.2f}x faster without "
         "it)" for rank, cost, speedup in result["costly"]) or "none"))

@@ -680,11 +680,18 @@ class Planner:
         self._prediction = (cluster, split, predicted)
         return predicted
 
+    @property
+    def held(self) -> bool:
+        """The plan has held until the re-plan cadence reached its longest interval
+        (:attr:`PlannerConfig.max_replan_every`), or it is pinned: every
+        :attr:`PlannerConfig.measure_stride`-th step is measured, the others cost what
+        plain DDP costs (a new plan measures every step)."""
+        return self._interval >= self.config.max_replan_every
+
     def measures(self, step: int) -> bool:
         """Whether step ``step`` is measured (:attr:`PlannerConfig.measure_stride`); the
         same answer on every rank, since it depends only on the planner's state."""
-        held = self._interval >= self.config.max_replan_every
-        return not held or step % self.config.measure_stride == 0
+        return not self.held or step % self.config.measure_stride == 0
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
