@@ -49,9 +49,11 @@ class Run:
 
 def drive(seed: int, steps: int, config: PlannerConfig | None = None,
           cluster: ClusterModel | None = None, total: int = B,
-          extra: Callable[[Sequence[int]], float] | None = None) -> Run:
+          extra: Callable[[Sequence[int]], float] | None = None,
+          pin: tuple[int, Sequence[int]] | None = None) -> Run:
     """``extra(split)``: seconds the truth adds to the last all-reduce of a step with
-    ``split`` (the model cannot express it: its all-reduce is the same for every split)."""
+    ``split`` (the model cannot express it: its all-reduce is the same for every split).
+    ``pin``: (step, split) pinned from that step on (:meth:`Planner.pin`)."""
     cluster = cluster or truth()
     n = cluster.size
     planner = Planner(config or PlannerConfig(world_size=n, init_batch=total), log_plans=False)
@@ -65,6 +67,8 @@ def drive(seed: int, steps: int, config: PlannerConfig | None = None,
     previous: list[StepReport | None] = [None] * n
     previous_global: float | None = None
     for step in range(steps):
+        if pin is not None and step == pin[0]:
+            planner.pin(step, pin[1])
         split = planner.split_for(planner.total_batch)
         run.quality.append((cluster.step_time(list(split))
                             + (extra(split) if extra else 0.0)) / best)
@@ -140,6 +144,23 @@ def test_the_model_predicts_splits_away_from_the_one_in_use() -> None:
           f"{[f'{e:+.1%}' for e in errors]}")
     # over 20 seeds: median 4-5%, 90% within 9%, the worst 16-17% (Theil-Sen's fit too)
     assert float(np.median(np.abs(errors))) <= 0.08 and max(abs(e) for e in errors) <= 0.2
+
+
+def test_a_worker_held_at_0_samples_is_fitted_from_its_steps_there() -> None:
+    # the warm-up's even split, then the slowest worker pinned at 0 samples (no probe, no
+    # trial): its steps there are the one measure of its fixed cost away from the even
+    # split. Without them its line rested on the even split alone, and on real quota
+    # workers it once put the fixed cost at 72 ms (46-51 ms measured at 0 samples)
+    cluster = truth()
+    node = cluster.nodes[2]
+    for seed in SEEDS:
+        run = drive(seed, 300, pin=(8, (510, 170, 0)))
+        fitted = refit(run.planner).nodes[2]
+        assert 0.0 in run.planner.fitters[2].batch_sizes()
+        for b in (0, B // 3):  # its fixed cost, and the even split's share
+            want = node.forward_time(b) + node.backward_time(b)
+            assert fitted.forward_time(b) + fitted.backward_time(b) == pytest.approx(
+                want, rel=0.1), (seed, b)
 
 
 def test_a_balanced_step_is_predicted_as_the_expected_slowest() -> None:

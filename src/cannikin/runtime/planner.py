@@ -788,8 +788,8 @@ class Planner:
             self._plan_stalls.append(stall)
         measured = _median([t.step_s + t.plan_s for t in timings])
         for rank, (fitter, t) in enumerate(zip(self.fitters, timings, strict=True)):
-            if t.timed > 0:
-                fitter.add(t.timed, t.fwd_s, t.bwd_s, remember=self._remember[0])
+            # a worker's step at 0 samples is its fixed cost, measured: the line's intercept
+            fitter.add(t.timed, t.fwd_s, t.bwd_s, remember=self._remember[0])
             if self.config.cpu_floor and t.cpu_s > 0 and t.cpu_cores > 0:
                 self.cpu_fitters[rank].add(t.batch, t.cpu_s, remember=self._remember[0])
                 self.cpu_cores[rank] = t.cpu_cores
