@@ -120,7 +120,7 @@ class _Cycle:
     """This step's backward carries the exchange (every rank alike): the step before was
     planned to be measured, or it is the first, or every step exchanges
     (:attr:`_Attached.exchange_every_step`). A step with nothing to report skips it: on a
-    quarter-core worker, making, sending and reading the rows cost ~0.15 ms of CPU."""
+    quarter-core worker a step that carried it cost 0.3-0.7 ms more CPU than one without."""
     norms: bool = True
     """This step's gradient norms are taken (for the noise scale)."""
     interrupted: bool = False
