@@ -589,7 +589,9 @@ class HeteroDataParallel(nn.Module):
         try:
             out = self.ddp(*args, **kwargs)
         except torch.cuda.OutOfMemoryError:
-            if not (cycle.stepping and torch.is_grad_enabled()):
+            # recovered only on a step whose exchange can tell every rank: any step where
+            # a worker is on a GPU (on a CPU-only job only a simulated one can happen)
+            if not (cycle.stepping and torch.is_grad_enabled() and cycle.exchanges):
                 raise
             out = self._placeholder_after_oom(args, kwargs)
         unmarked = ((cycle.pass_index == 0 and cycle.bwd_start is None)
