@@ -23,7 +23,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "exchange", "oom_retry", "oom_retry_batchnorm", "oom_backward", "train_hetero",
           "eval_between_steps", "adam_noise_reset", "noise_stride", "amp", "ddp_habits",
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
-          "replan_not_measured", "seeded_backward"]
+          "replan_not_measured", "seeded_backward", "oom_without_exchange"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -163,6 +163,12 @@ def test_oom_lowers_cap_and_retries_every_sample(figures: dict[str, Any], check:
     assert oom["split"][1] <= 15 and sum(oom["split"]) == 60
     assert oom["samples"] == oom["distinct"] == 300  # each sample trained on exactly once
     assert oom["updates"] == 5
+
+
+def test_an_oom_on_a_step_without_the_exchange_is_raised(figures: dict[str, Any]) -> None:
+    got = figures["oom_without_exchange"]
+    assert got["exchanged"] == [True, True, False, False, False, True]  # after steps 0 and 4
+    assert got["raised"] == "step 6: simulated: CUDA out of memory"
 
 
 @pytest.mark.parametrize("case", ["before", "after", "passes", "amp", "forward_pass",

@@ -579,6 +579,46 @@ def check_oom_retry() -> dict[str, Any]:
     return _oom_retry(OomOnRank1())
 
 
+class OomEverywhere(nn.Module):
+    """Raises CUDA's out-of-memory error on every rank in its ``at``-th forward."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.net = _classifier()
+        self.at = at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            raise torch.cuda.OutOfMemoryError("simulated: CUDA out of memory")
+        return self.net(x)
+
+
+def check_oom_without_exchange() -> dict[str, Any]:
+    """On a CPU-only job a held plan's unmeasured steps carry no exchange, so an
+    out-of-memory there (only a simulated one can happen) could not reach the other ranks:
+    it is raised, on every rank alike here, instead of recovered from (the steps that carry
+    the exchange recover: ``check_oom_retry``)."""
+    net = OomEverywhere(at=6)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(_blobs(600), batch_size=60, seed=2)
+    model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None)
+    model.pin_split([20, 20, 20][:dist.get_world_size()])  # held: every 4th step measured
+    exchanged, raised = [], ""
+    for step, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        try:
+            F.cross_entropy(model(x), y).backward()
+        except torch.cuda.OutOfMemoryError as error:
+            raised = f"step {step}: {error}"
+            break
+        exchanged.append(model.comm.rows is not None)
+        opt.step()
+    model.remove_hooks()
+    return {"exchanged": exchanged, "raised": raised}
+
+
 def check_oom_retry_batchnorm() -> dict[str, Any]:
     """The same with BatchNorm and DDP's default buffer broadcast (the retried forward must
     not broadcast a second time: the peers would pair it with a gradient bucket) and the
