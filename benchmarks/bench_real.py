@@ -150,13 +150,17 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
 
     for _ in range(warmup_steps):
         hdp_step()
+
+    def settled() -> bool:
+        # a probe's or a trial's split is not the one Cannikin chose; and a plan not held
+        # yet is measured every step, as only its first ~75 steps are in a long run
+        return not hdp.plan_history[-1].exploring and hdp.planner.held
+
     steps = warmup_steps
-    # a probe's or a trial's split is not the one Cannikin chose; and a plan not held yet is
-    # measured every step, as only its first ~75 steps are in a long run
-    while (hdp.plan_history[-1].exploring or not hdp.planner.held) and steps < 4 * warmup_steps:
+    while not settled() and steps < 4 * warmup_steps:
         hdp_step()
         steps += 1
-    settled = not hdp.plan_history[-1].exploring and hdp.planner.held
+    warm_settled = settled()
     cannikin_split = tuple(hdp.plan.local_batches)
     warm_plans = len(hdp.plan_history)
     even = tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))
@@ -238,7 +242,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             "splits": {k: list(v) if v else None for k, v in configs.items()},
             "cannikin_final": list(hdp.plan.local_batches), "cannikin_warm": list(cannikin_split),
             "errors": errors, "plans": len(hdp.plan_history), "model_s": model_s,
-            "warmup": steps, "settled": settled,
+            "warmup": steps, "settled": warm_settled,
             "block_plans": [[r.step, r.reason, list(r.local_batches)]
                             for r in hdp.plan_history[warm_plans:]],
             "cpu_ms": cpu_ms, "slowest_s": slowest_s,
