@@ -392,8 +392,12 @@ def main() -> int:
     parser.add_argument("--block-steps", type=int, default=4, help="steps per block")
     parser.add_argument("--warmup-steps", type=int, default=150,
                         help="Cannikin steps before the blocks (it learns and settles), and "
-                             "on to the end of a probe or a trial in force then")
+                             "on until its plan is held and no probe or trial is in force, "
+                             "up to 4x as many")
     args = parser.parse_args()
+    for name, least in (("rounds", 2), ("block_steps", 1), ("warmup_steps", 1)):
+        if getattr(args, name) < least:  # the IQRs over rounds need two
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
     if args.worker is not None:
         _worker(args.worker, args.rounds, args.block_steps, args.warmup_steps)
         return 0
