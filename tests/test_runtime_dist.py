@@ -23,7 +23,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "exchange", "oom_retry", "oom_retry_batchnorm", "oom_backward", "train_hetero",
           "eval_between_steps", "adam_noise_reset", "noise_stride", "amp", "ddp_habits",
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
-          "replan_not_measured", "seeded_backward", "oom_without_exchange"]
+          "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -374,3 +374,17 @@ def test_a_seeded_backward_trains_as_a_plain_one(figures: dict[str, Any],
     assert plain["noise_scale"] is not None
     assert seeded["noise_scale"] == pytest.approx(plain["noise_scale"], rel=1e-4)
     assert "a loss of shape (" in seeded["refused"] and "gradient=" in seeded["refused"]
+
+
+def test_idle_workers_receive_the_sum_from_the_busy_ones(figures: dict[str, Any]) -> None:
+    # splits (40, 20, 0), (0, 25, 35), (20, 20, 20), (40, 20, 0), four steps each
+    got = figures["idle_route"]
+    assert got["rel_err"] < 1e-5  # every rank's gradient, the idle ones' included
+    assert got["params_differ"] == 0.0  # every rank holds the same bits
+    expected = [["source"] * 4 + ["idle"] * 4 + ["all"] * 4 + ["source"] * 4,
+                ["busy"] * 4 + ["busy"] * 4 + ["all"] * 4 + ["busy"] * 4,
+                ["idle"] * 4 + ["source"] * 4 + ["all"] * 4 + ["idle"] * 4]
+    assert got["parts"] == expected
+    # busy {0, 1} and source 0 with idle 2; busy {1, 2}; source 2 with idle 0 is {0, 2}
+    # again; the last split's route is kept
+    assert got["made"] == [[0, 1], [0, 2], [1, 2]]

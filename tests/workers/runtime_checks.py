@@ -555,6 +555,54 @@ def check_seeded_backward() -> dict[str, Any]:
             for opt in ("sgd", "adam") for seeded in (False, True)}
 
 
+def check_idle_route() -> dict[str, Any]:
+    """Splits that give some workers 0 samples: the busy ones all-reduce, the one with the
+    largest batch broadcasts the sum to the idle ones (cannikin.runtime.routes). Every
+    rank's gradient against one process's, over splits idling different workers, one
+    idling none and one seen before (loss.backward() on an empty batch: NaN there, which
+    must not reach the sum); each rank's part in each step; the groups made (each set of
+    ranks once); every rank's parameters at the end."""
+    world = dist.get_world_size()
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    data = _blobs(60 * 20)
+    loader = HeteroDataLoader(data, batch_size=60, seed=4)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None)
+    splits = [(40, 20, 0), (0, 25, 35), (20, 20, 20), (40, 20, 0)]  # 3 workers
+    made: list[list[int]] = []
+    new_group = dist.new_group
+
+    def counted(ranks: list[int], **kwargs: Any) -> Any:
+        made.append(list(ranks))
+        return new_group(ranks, **kwargs)
+
+    dist.new_group = counted
+    worst, parts = 0.0, []
+    batches = iter(loader)
+    try:
+        for split in splits:
+            model.pin_split(split)
+            for _ in range(4):
+                x, y, idx = next(batches)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                worst = max(worst, _gradient_error(net, copy.deepcopy(net), data, idx, CPU))
+                route = model.comm.route
+                parts.append("all" if route is None else "idle" if route.busy is None
+                             else "source" if route.fan is not None else "busy")
+                opt.step()
+    finally:
+        dist.new_group = new_group
+    model.remove_hooks()
+    params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, (worst, parts, params.tolist()))
+    return {"rel_err": max(w for w, _, _ in every), "parts": [p for _, p, _ in every],
+            "made": made, "splits": [list(s) for s in splits],
+            "params_differ": max(float((torch.tensor(p) - params).abs().max())
+                                 for _, _, p in every)}
+
+
 class OomOnRank1(nn.Module):
     """Raises CUDA's out-of-memory error on rank 1 for local batches above 15. ``full``: a
     BatchNorm1d inside (buffers DDP broadcasts before every forward) and the loss computed

@@ -26,7 +26,7 @@ without an active exception``) after the training finished. Two things did that:
 ``.then`` callback on the collective's future (the worker thread completes the child future
 DDP waits on *before* it destroys the callback), and the ``contextvars.Context`` that torch
 keeps in the backward's thread-local state, which every collective launched from the
-backward copies into its work (:func:`_all_reduce_unstashed`). So the hook launches
+backward copies into its work (:func:`_launch_unstashed`). So the hook launches
 its all-reduces without that context and hands DDP a future of its own, which a
 :class:`_Finisher` thread completes (a plain non-daemon Python thread, which the
 interpreter joins before it finalises) on a step that measures the reduced gradient, and
@@ -47,6 +47,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # what DDP's hook annotation must name
+
+from cannikin.runtime.routes import Route
 
 # (param, grad) -> gradient in the space the noise scale is measured in
 GradTransform = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -92,6 +94,11 @@ class CommState:
     pass_index: int = 0
     """The micro-batch whose backward is running."""
     pass_hooks: list[Any] = field(default_factory=list)
+    route: Route | None = None
+    """This step's route where some workers have no samples (:mod:`cannikin.runtime.routes`):
+    the busy ones all-reduce, the source broadcasts the sum to the idle ones, and ``rows``
+    travel in a collective of their own over every rank. None: every bucket is all-reduced
+    over ``group``."""
     rows: np.ndarray | None = None
     """Per-step exchange (float64) to sum over ranks, sent with bucket ``carrier_slot``, or
     with the last bucket under ``rows_at_last``."""
@@ -313,23 +320,30 @@ def weighted_allreduce_hook(
     state.sizes.append(buffer.numel())
     carries = bucket.is_last() if state.rows_at_last else slot == state.carrier_slot
     rows = state.rows if carries else None
-    extra = None if rows is None else encoded_size(rows, buffer.dtype)
+    route = state.route
+    extra = None if rows is None or route is not None else encoded_size(rows, buffer.dtype)
     size = buffer.numel()
     factor = 1.0 if state.seeded else state.weight
-    if rows is None or extra is None:
-        send = _scaled(buffer, factor, out=buffer)
+    fan = None
+    if route is not None and route.busy is None:  # idle here: the source's sum lands in it
+        send = buffer
+        work = _launch_unstashed(send, route.fan, route.source)
     else:
-        send = state.carrier_for(buffer, extra)
-        _scaled(buffer, factor, out=send[:size])
-        _write_rows(rows, send[size:])
-    work = _all_reduce_unstashed(send, state.group)
+        if rows is None or extra is None:
+            send = _scaled(buffer, factor, out=buffer)
+        else:
+            send = state.carrier_for(buffer, extra)
+            _scaled(buffer, factor, out=send[:size])
+            _write_rows(rows, send[size:])
+        work = _launch_unstashed(send, state.group if route is None else route.busy)
+        fan = None if route is None else route.fan
     if rows is not None and extra is None:
         alone = _write_rows(rows, torch.empty(rows.size, dtype=torch.float64,
                                               device=buffer.device))
-        state.rows_alone = (alone, _all_reduce_unstashed(alone, state.group))
+        state.rows_alone = (alone, _launch_unstashed(alone, state.group))
     reduction = _Reduction(slot=slot, bucket=bucket, sent=send, size=size,
                            carries_rows=extra is not None, measured=state.capture_sqnorm,
-                           work=work)
+                           work=work, fan=fan, source=-1 if route is None else route.source)
     state.reductions.append(reduction)
     if not reduction.measured:
         return _complete_at_last_bucket(state, reduction, bucket.is_last())
@@ -352,6 +366,10 @@ class _Reduction:
     measured: bool
     """Mark when it is done and take |g|^2 of the result."""
     work: dist.Work
+    fan: dist.ProcessGroup | None
+    """This rank is the source of a route: once ``work`` is done, it broadcasts the sum
+    over this group to the idle workers."""
+    source: int
     result: torch.futures.Future[torch.Tensor] = field(init=False)
     """What DDP waits on."""
 
@@ -430,21 +448,28 @@ class _Finisher:
 def _finish(state: CommState, reduction: _Reduction) -> None:
     """Wait for ``reduction``'s all-reduce, take what the step measures of it, and
     complete the future DDP waits on with the reduced bucket."""
-    try:
-        reduction.work.wait()
-    except RuntimeError as error:  # gloo/nccl: the process group's timeout ran out
-        raise RuntimeError(
-            f"rank {dist.get_rank(state.group)} of {dist.get_world_size(state.group)}: "
-            f"gradient all-reduce failed (a peer worker may be hung or dead; the wait is "
-            f"bounded by the collective timeout, docs/reliability.md): {error}") from error
+    _wait(state, reduction.work)
+    reduced = reduction.sent[:reduction.size]
+    if reduction.fan is not None:
+        _wait(state, _launch_unstashed(reduced, reduction.fan, reduction.source))
     if reduction.measured:
         state.done[reduction.slot] = state.clock.mark()
-    reduced = reduction.sent[:reduction.size]
     if reduction.carries_rows:
         state.rows_tail = reduction.sent[reduction.size:]
     if reduction.measured and state.takes_global:
         state._add_global(reduction.bucket, reduced)
     reduction.result.set_result(reduced)
+
+
+def _wait(state: CommState, work: dist.Work) -> None:
+    """Wait for one of the gradient's collectives; a timeout raises naming this rank."""
+    try:
+        work.wait()
+    except RuntimeError as error:  # gloo/nccl: the process group's timeout ran out
+        raise RuntimeError(
+            f"rank {dist.get_rank(state.group)} of {dist.get_world_size(state.group)}: "
+            f"gradient all-reduce failed (a peer worker may be hung or dead; the wait is "
+            f"bounded by the collective timeout, docs/reliability.md): {error}") from error
 
 
 def _complete_at_last_bucket(state: CommState, reduction: _Reduction,
@@ -520,8 +545,9 @@ the thread-local state for the whole backward (torch 2.13 does; older ones may n
 _STASHES_CONTEXT = hasattr(torch._C, "_is_key_in_tls")
 
 
-def _all_reduce_unstashed(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
-    """Launch an async sum all-reduce of ``tensor`` without the Python object torch keeps
+def _launch_unstashed(tensor: torch.Tensor, group: dist.ProcessGroup | None,
+                      source: int | None = None) -> dist.Work:
+    """Launch :func:`_launch`'s collective of ``tensor`` without the Python object torch keeps
     in the backward's thread-local state. A collective copies the launching thread's
     thread-local state into its work; the backend thread that destroys the finished work
     then drops that Python object, which takes the GIL: after interpreter finalisation has
@@ -532,20 +558,24 @@ def _all_reduce_unstashed(tensor: torch.Tensor, group: dist.ProcessGroup | None)
     checks around the same call cost ~0.04 ms of CPU per bucket (two gloo ranks, in the
     hook). A complex bucket goes through torch.distributed, which reduces it as real pairs."""
     if not (_STASHES_CONTEXT and torch._C._is_key_in_tls(_BACKWARD_CONTEXT)):
-        return _launch(tensor, group)
+        return _launch(tensor, group, source)
     context = torch._C._get_obj_in_tls(_BACKWARD_CONTEXT)
     torch._C._remove_obj_from_tls(_BACKWARD_CONTEXT)
     try:
-        return _launch(tensor, group)
+        return _launch(tensor, group, source)
     finally:
         torch._C._stash_obj_in_tls(_BACKWARD_CONTEXT, context)
 
 
-def _launch(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work:
-    """An async sum all-reduce of ``tensor`` on ``group`` (None: the default group)."""
+def _launch(tensor: torch.Tensor, group: dist.ProcessGroup | None,
+            source: int | None = None) -> dist.Work:
+    """An async sum all-reduce of ``tensor`` on ``group`` (None: the default group), or
+    with a ``source`` (a global rank) its broadcast from there."""
     work: dist.Work
     pg = dist.group.WORLD if group is None else group
-    if pg is None or tensor.is_complex():  # torch.distributed's error, or its real pairs
+    if source is not None:
+        work = dist.broadcast(tensor, src=source, group=group, async_op=True)
+    elif pg is None or tensor.is_complex():  # torch.distributed's error, or its real pairs
         work = dist.all_reduce(tensor, group=group, async_op=True)
     else:
         work = pg.allreduce([tensor])

@@ -55,6 +55,7 @@ from cannikin.runtime.planner import (
 )
 from cannikin.runtime.precondition import Preconditioner
 from cannikin.runtime.quota import own_cpu_limit
+from cannikin.runtime.routes import IdleRoutes
 from cannikin.runtime.step_timeout import StepTimeout
 from cannikin.runtime.timing import Clock, clock_for
 from cannikin.scaling import RULES, LRScaler
@@ -163,6 +164,11 @@ class _Attached:
     exchange_every_step: bool
     """Some worker is on a GPU: a CUDA out-of-memory in any step must reach every rank in
     that step's exchange."""
+    idle_routes: IdleRoutes | None
+    """Where a step gives some workers 0 samples, they only receive the gradient sum
+    (:mod:`cannikin.runtime.routes`); None where every step all-reduces over every rank: a
+    GPU job (its out-of-memory handling sends the exchange with the last bucket) and one
+    whose model reduces over a process group of its own."""
     hooks: list[Any]
 
 
@@ -342,6 +348,8 @@ class HeteroDataParallel(nn.Module):
             # else on every NORM_STRIDE-th (for the metrics)
             noise_decides=auto is not None or lr_scaling in ("adascale", "adamscale"),
             exchange_every_step=any_gpu or recovers,
+            idle_routes=None if any_gpu or recovers or self.comm.group is not None else
+            IdleRoutes(self.rank, self.world_size, self.collective_timeout),
             hooks=[optimizer.register_step_pre_hook(self._before_optimizer_step),
                    optimizer.register_step_post_hook(self._after_optimizer_step)])
         loader.attach(self, self.rank, self.world_size)
@@ -543,6 +551,8 @@ class HeteroDataParallel(nn.Module):
                                            or cycle.step % NORM_STRIDE == 0)
         self.comm.capture_sqnorm = cycle.norms
         self.comm.takes_global = split.index(max(split)) == self.rank
+        routes = self.attached.idle_routes
+        self.comm.route = None if routes is None else routes.route(split)
         if cycle.norms and len(cycle.passes) > 1:
             self.comm.watch_passes(list(self.ddp.module.parameters()), len(cycle.passes))
         else:

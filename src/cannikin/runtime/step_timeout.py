@@ -127,7 +127,19 @@ class StepTimeout:
         self.current_s = self.startup_s
         """The timeout in force now."""
         self._steps: deque[float] = deque(maxlen=WINDOW)
+        self._followers: list[dist.ProcessGroup] = []
         self._agree()
+
+    def follow(self, group: dist.ProcessGroup) -> None:
+        """Give ``group`` (one this rank belongs to, made after this) the timeout in force,
+        and every later one: a collective on it bounds a hung peer's wait like one on
+        :attr:`group`."""
+        group.set_timeout(timedelta(seconds=self.current_s))
+        self._followers.append(group)
+
+    def _apply(self, seconds: float) -> None:
+        for group in (self.group, *self._followers):
+            group.set_timeout(timedelta(seconds=seconds))
 
     def _agree(self) -> None:
         world = dist.get_world_size(self.group)
@@ -153,7 +165,7 @@ class StepTimeout:
         median = statistics.median(self._steps)
         target = self.rule.timeout_s(median, self.startup_s)
         if abs(target - self.current_s) > REAPPLY_CHANGE * self.current_s:
-            self.group.set_timeout(timedelta(seconds=target))
+            self._apply(target)
             logger.info("collective timeout %.1f s (was %.1f s): max(floor %g s, %g x median "
                         "step %.3f s), at most the start-up %g s", target, self.current_s,
                         self.rule.floor_s, self.rule.factor, median, self.startup_s)
@@ -165,11 +177,11 @@ class StepTimeout:
         if self.current_s == self.startup_s:
             yield
             return
-        self.group.set_timeout(timedelta(seconds=self.startup_s))
+        self._apply(self.startup_s)
         try:
             yield
         finally:
-            self.group.set_timeout(timedelta(seconds=self.current_s))
+            self._apply(self.current_s)
 
 
 def startup_timeout(model: object) -> contextlib.AbstractContextManager[None]:
