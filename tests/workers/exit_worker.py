@@ -8,8 +8,10 @@ last gradient all-reduce dropped a Python object (a ``.then`` callback, or the
 ``contextvars.Context`` torch keeps in the backward's thread-local state), took the GIL
 after finalisation had begun and ended in ``std::terminate`` (SIGABRT). Jobs cycle through
 the ways a script can end: the loader's loop, a last backward with no ``optimizer.step()``,
-a step outside the loader, and a step after ``remove_hooks()``. The workers hold the GIL
-as long as a script busy in Python would, which makes the race likely.
+a step outside the loader, and a step after ``remove_hooks()``; every other round of them
+pins a split that gives rank 1 no samples, so that it receives the gradient sum from rank
+0's broadcast (:mod:`cannikin.runtime.routes`) instead of an all-reduce. The workers hold
+the GIL as long as a script busy in Python would, which makes the race likely.
 
 Prints one line ``jobs J workers W aborted A`` and, for each worker that died, the job,
 its ending and the signal.
@@ -35,7 +37,7 @@ from cannikin.runtime.distributed import free_port
 ENDINGS = ("loop", "backward_only", "outside_loader", "after_remove_hooks")
 
 
-def train(rank: int, port: int, ending: str) -> None:
+def train(rank: int, port: int, ending: str, idle: bool) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0,
                           timeout=datetime.timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
@@ -46,6 +48,8 @@ def train(rank: int, port: int, ending: str) -> None:
     data = TensorDataset(torch.randn(48, 16), torch.randint(0, 4, (48,)))
     loader = HeteroDataLoader(data, batch_size=16, seed=0)
     model = HeteroDataParallel(net, optimizer, loader)
+    if idle:
+        model.pin_split([16, 0])
     # the main thread keeps the GIL for up to 5 s instead of 5 ms, as a script busy in Python
     # would: a backend thread that needs it at the end is then still waiting at exit
     sys.setswitchinterval(5.0)
@@ -72,20 +76,21 @@ def main() -> int:
     died = []
     for job in range(args.jobs):
         ending = ENDINGS[job % len(ENDINGS)]
+        idle = job // len(ENDINGS) % 2 == 1
         port = free_port()
         pids = []
         for rank in range(2):
             pid = os.fork()
             if pid == 0:
-                train(rank, port, ending)
+                train(rank, port, ending, idle)
                 return -1  # a worker: exit through interpreter finalisation
             pids.append(pid)
         for pid in pids:
             _, status = os.waitpid(pid, 0)
             if os.WIFSIGNALED(status):
-                died.append(f"job {job} ({ending}): {signal.Signals(os.WTERMSIG(status)).name}")
+                died.append(f"job {job} ({ending}, idle {idle}): {signal.Signals(os.WTERMSIG(status)).name}")
             elif os.WEXITSTATUS(status) != 0:
-                died.append(f"job {job} ({ending}): exit status {os.WEXITSTATUS(status)}")
+                died.append(f"job {job} ({ending}, idle {idle}): exit status {os.WEXITSTATUS(status)}")
     print(f"jobs {args.jobs} workers {2 * args.jobs} aborted {len(died)}", flush=True)
     for line in died:
         print(line, flush=True)
