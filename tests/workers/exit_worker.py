@@ -87,10 +87,11 @@ def main() -> int:
             pids.append(pid)
         for pid in pids:
             _, status = os.waitpid(pid, 0)
+            name = f"job {job} ({ending}, rank 1 idle: {idle})"
             if os.WIFSIGNALED(status):
-                died.append(f"job {job} ({ending}, idle {idle}): {signal.Signals(os.WTERMSIG(status)).name}")
+                died.append(f"{name}: {signal.Signals(os.WTERMSIG(status)).name}")
             elif os.WEXITSTATUS(status) != 0:
-                died.append(f"job {job} ({ending}, idle {idle}): exit status {os.WEXITSTATUS(status)}")
+                died.append(f"{name}: exit status {os.WEXITSTATUS(status)}")
     print(f"jobs {args.jobs} workers {2 * args.jobs} aborted {len(died)}", flush=True)
     for line in died:
         print(line, flush=True)
