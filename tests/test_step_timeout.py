@@ -95,6 +95,22 @@ def test_the_group_timeout_is_lowered_once_enough_steps_are_measured() -> None:
     assert timeout.current_s == 10.0
 
 
+def test_a_followed_group_gets_every_timeout_the_default_group_gets() -> None:
+    # the groups of the idle route (cannikin.runtime.routes) are made after start-up
+    timeout = StepTimeout(rule=TimeoutRule(floor_s=2, factor=10))
+    for _ in range(MIN_STEPS):
+        timeout.observe(reports(0.01))
+    later = dist.new_group([0], timeout=timedelta(seconds=STARTUP_S))
+    timeout.follow(later)
+    assert group_timeout_s(later) == 2.0  # the timeout in force when it joined
+    for _ in range(40):
+        timeout.observe(reports(1.0))
+    assert group_timeout_s(later) == timeout.current_s == 10.0
+    with timeout.relaxed():
+        assert group_timeout_s(later) == STARTUP_S
+    assert group_timeout_s(later) == 10.0
+
+
 def test_factor_zero_keeps_the_start_up_timeout() -> None:
     timeout = StepTimeout(env={FACTOR_ENV: "0"})
     for _ in range(2 * MIN_STEPS):

@@ -324,7 +324,7 @@ def weighted_allreduce_hook(
     extra = None if rows is None or route is not None else encoded_size(rows, buffer.dtype)
     size = buffer.numel()
     factor = 1.0 if state.seeded else state.weight
-    fan = None
+    fan_out = None
     if route is not None and route.busy is None:  # idle here: the source's sum lands in it
         send = buffer
         work = _launch_unstashed(send, route.fan, route.source)
@@ -336,14 +336,14 @@ def weighted_allreduce_hook(
             _scaled(buffer, factor, out=send[:size])
             _write_rows(rows, send[size:])
         work = _launch_unstashed(send, state.group if route is None else route.busy)
-        fan = None if route is None else route.fan
+        fan_out = route if route is not None and route.fan is not None else None
     if rows is not None and extra is None:
         alone = _write_rows(rows, torch.empty(rows.size, dtype=torch.float64,
                                               device=buffer.device))
         state.rows_alone = (alone, _launch_unstashed(alone, state.group))
     reduction = _Reduction(slot=slot, bucket=bucket, sent=send, size=size,
                            carries_rows=extra is not None, measured=state.capture_sqnorm,
-                           work=work, fan=fan, source=-1 if route is None else route.source)
+                           work=work, fan_out=fan_out)
     state.reductions.append(reduction)
     if not reduction.measured:
         return _complete_at_last_bucket(state, reduction, bucket.is_last())
@@ -366,10 +366,9 @@ class _Reduction:
     measured: bool
     """Mark when it is done and take |g|^2 of the result."""
     work: dist.Work
-    fan: dist.ProcessGroup | None
-    """This rank is the source of a route: once ``work`` is done, it broadcasts the sum
-    over this group to the idle workers."""
-    source: int
+    fan_out: Route | None
+    """This rank is the route's source: once ``work`` is done, it broadcasts the sum to
+    the idle workers."""
     result: torch.futures.Future[torch.Tensor] = field(init=False)
     """What DDP waits on."""
 
@@ -446,12 +445,14 @@ class _Finisher:
 
 
 def _finish(state: CommState, reduction: _Reduction) -> None:
-    """Wait for ``reduction``'s all-reduce, take what the step measures of it, and
-    complete the future DDP waits on with the reduced bucket."""
+    """Wait for ``reduction``'s all-reduce (and, on a route's source, broadcast the sum),
+    take what the step measures of it, and complete the future DDP waits on with the
+    reduced bucket."""
     _wait(state, reduction.work)
     reduced = reduction.sent[:reduction.size]
-    if reduction.fan is not None:
-        _wait(state, _launch_unstashed(reduced, reduction.fan, reduction.source))
+    if reduction.fan_out is not None:
+        route = reduction.fan_out
+        _wait(state, _launch_unstashed(reduced, route.fan, route.source))
     if reduction.measured:
         state.done[reduction.slot] = state.clock.mark()
     if reduction.carries_rows:
@@ -462,7 +463,9 @@ def _finish(state: CommState, reduction: _Reduction) -> None:
 
 
 def _wait(state: CommState, work: dist.Work) -> None:
-    """Wait for one of the gradient's collectives; a timeout raises naming this rank."""
+    """Wait for one of the gradient's collectives (the all-reduce, or the idle route's
+    broadcast: the message names the all-reduce either way); a timeout raises naming this
+    rank."""
     try:
         work.wait()
     except RuntimeError as error:  # gloo/nccl: the process group's timeout ran out
