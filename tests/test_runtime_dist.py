@@ -376,9 +376,12 @@ def test_a_seeded_backward_trains_as_a_plain_one(figures: dict[str, Any],
     assert "a loss of shape (" in seeded["refused"] and "gradient=" in seeded["refused"]
 
 
-def test_idle_workers_receive_the_sum_from_the_busy_ones(figures: dict[str, Any]) -> None:
-    # splits (40, 20, 0), (0, 25, 35), (20, 20, 20), (40, 20, 0), four steps each
-    got = figures["idle_route"]
+@pytest.mark.parametrize("buckets", ["copied", "views"])
+def test_idle_workers_receive_the_sum_from_the_busy_ones(figures: dict[str, Any],
+                                                         buckets: str) -> None:
+    # splits (40, 20, 0), (0, 25, 35), (20, 20, 20), (40, 20, 0), four steps each; the
+    # gradients copied from DDP's buckets, or views of them (gradient_as_bucket_view)
+    got = figures["idle_route"][buckets]
     assert got["rel_err"] < 1e-5  # every rank's gradient, the idle ones' included
     assert got["params_differ"] == 0.0  # every rank holds the same bits
     expected = [["source"] * 4 + ["idle"] * 4 + ["all"] * 4 + ["source"] * 4,
