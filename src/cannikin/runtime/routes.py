@@ -4,10 +4,11 @@ A worker planned 0 samples adds zeros to the gradient sum, yet in a plain all-re
 does a full share of the reduction: in gloo's ring every rank sends, receives and adds
 2(n - 1)/n of each bucket. On the slowest worker, the one a plan gives 0 samples, that
 share is most of its step: all-reducing 1.1M floats over 3 ranks at 1, 0.5 and 0.25 of a
-core cost the quarter-core rank 3.5 ms of CPU (14 ms of wall time). On such a step the
-busy workers all-reduce among themselves, and the one with the largest local batch (the
-*source*) then broadcasts the sum to the idle ones, which only receive: 1.2 ms of CPU on
-the quarter-core rank in the same measurement. The sum is the same, since the idle
+core cost the quarter-core rank 4.4 ms of CPU, and the sum 17-18 ms of wall time
+(``benchmarks/bench_idle_route.py``). On such a step the busy workers all-reduce among
+themselves, and the one with the largest local batch (the *source*) then broadcasts the
+sum to the idle ones, which only receive: 1.4 ms of CPU on the quarter-core rank, 8-9 ms
+for the sum, in the same runs. The sum is the same, since the idle
 workers' terms are zeros, and every rank ends with the source's bits.
 
 Process groups are made collectively, so every rank asks for the route of every step's
