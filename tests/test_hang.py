@@ -12,12 +12,16 @@ from dist_utils import WORKERS, run_torchrun
 GLOO_TIMEOUT = re.compile(r"Timed out|Application timeout caused pair closure")
 
 
-@pytest.mark.parametrize("hang_step", [3, NORM_STRIDE], ids=["plain-step", "norm-step"])
-def test_hung_peer_fails_training_with_timeout_naming_rank(hang_step: int) -> None:
+@pytest.mark.parametrize(("hang_step", "idle"), [(3, False), (NORM_STRIDE, False), (3, True)],
+                         ids=["plain-step", "norm-step", "idle-route"])
+def test_hung_peer_fails_training_with_timeout_naming_rank(hang_step: int, idle: bool) -> None:
     """Both ways a step's all-reduces complete: a step without gradient norms waits for
-    them in the last bucket's hook, a step with norms on the finisher thread."""
+    them in the last bucket's hook, a step with norms on the finisher thread; and a hung
+    rank with no samples, which its peer waits for in the idle route's broadcast (a group
+    of its own, made after start-up: it must keep the timeout too)."""
     result = run_torchrun(WORKERS / "hang_worker.py", nproc=2,
-                          script_args=["--timeout", "3", "--hang-step", str(hang_step)],
+                          script_args=["--timeout", "3", "--hang-step", str(hang_step),
+                                       *(["--idle"] if idle else [])],
                           timeout_s=90, env={"CANNIKIN_SLOWDOWN": ""})
     assert not result.timed_out, "the job hung instead of failing at the collective timeout"
     assert result.returncode != 0

@@ -1,6 +1,7 @@
 """Worker for tests/test_hang.py: HeteroDataParallel training where the last rank stops
 responding at step ``--hang-step``; the others must fail at the collective timeout (``--timeout``),
-naming their rank, instead of waiting forever."""
+naming their rank, instead of waiting forever. With ``--idle`` the hung rank has no samples,
+so that its peers wait for it in the idle route's broadcast (cannikin.runtime.routes)."""
 
 import argparse
 import time
@@ -18,6 +19,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--hang-step", type=int, default=3)
+    parser.add_argument("--idle", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=args.timeout)
@@ -27,6 +29,8 @@ def main() -> None:
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     loader = HeteroDataLoader(data, batch_size=20)
     model = HeteroDataParallel(net, optimizer, loader)
+    if args.idle:
+        model.pin_split([20] + [0] * (ctx.world_size - 1))
     for x, y in loader:
         if model.step == args.hang_step and ctx.rank == ctx.world_size - 1:
             print(f"rank {ctx.rank} stops responding", flush=True)
