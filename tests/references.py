@@ -12,7 +12,7 @@ import numpy.typing as npt
 from scipy.optimize import linprog
 
 from cannikin.perf import ClusterModel, FitConfig
-from cannikin.rowfit import SCALE_FLOOR
+from cannikin.rowfit import LEAST_TIME_FRACTION, SCALE_FLOOR
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -87,12 +87,14 @@ def robust_line_of(cfg: FitConfig, b: FloatArray, y: FloatArray, anchors: FloatA
              for i in range(n - h) if bs[i + h] != bs[i]]
     slope = float(np.median(pairs)) if pairs else 0.0
     intercept = math.nan
-    exact = SCALE_FLOOR * float(np.abs(y).sum()) / max(n, 1)
+    tiny = np.finfo(float).tiny
+    least = LEAST_TIME_FRACTION * float(np.abs(y).sum()) / max(n, 1) + tiny
     for _ in range(2):
-        residual = y - slope * b
-        centre = np.median(residual)
-        scale = 1.4826 * np.median(np.abs(residual - centre)) + exact + np.finfo(float).tiny
-        inlier = np.abs(residual - centre) <= cfg.outlier_sigmas * scale
+        line = slope * b + np.median(y - slope * b)
+        relative = (y - line) / np.maximum(np.abs(line), least)
+        deviation = np.abs(relative - np.median(relative))
+        scale = 1.4826 * np.median(deviation) + SCALE_FLOOR
+        inlier = deviation <= cfg.outlier_sigmas * scale
         used_b = np.concatenate([b[inlier], a_b])
         used_y = np.concatenate([y[inlier], a_y])
         weight = np.concatenate([np.ones(int(inlier.sum())), a_w])

@@ -270,7 +270,8 @@ def test_a_measured_trial_finds_a_worker_faster_at_zero() -> None:
     # rest is the fits' error under that noise on a small, fast cluster.
     assert sum(b == 0 for b in late) >= 0.7 * len(late), late
     assert float(np.mean(with_trials)) <= 1.11
-    assert min(without) >= max(with_trials) + 0.1
+    # the trials' gain, seed by seed (the same timing noise either way): 0.12-0.17
+    assert all(off - on >= 0.1 for on, off in zip(with_trials, without, strict=True))
 
 
 def test_a_trial_that_measures_slower_gives_the_worker_back_its_samples() -> None:

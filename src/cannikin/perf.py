@@ -79,8 +79,9 @@ class FitConfig:
     """How :class:`NodeFitter` fits a line robustly and tells a lasting speed change."""
 
     outlier_sigmas: float = 3.5
-    """Residuals further than this many robust standard deviations (1.4826 * MAD) from the
-    median residual are outliers (stragglers, GC pauses), left out of the fit."""
+    """Samples whose deviation from the line, relative to the line's time, lies further
+    than this many robust standard deviations (1.4826 * MAD) from the median relative
+    deviation are outliers (stragglers, GC pauses), left out of the fit."""
     min_slope_fraction: float = 1e-3
     """A fitted slope is never below this fraction of the worker's mean per-sample time, so
     a noisy fit cannot make a worker look free for extra samples (the split needs slopes

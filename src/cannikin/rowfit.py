@@ -26,6 +26,9 @@ IntArray = npt.NDArray[np.intp]
 
 # Relative tolerance added to the robust scale so exact (noise-free) samples are inliers.
 SCALE_FLOOR = 1e-9
+LEAST_TIME_FRACTION = 0.05
+"""Where a line runs near 0 (a small batch on a worker without a fixed cost), a sample's
+deviation is taken relative to this fraction of the row's mean time instead."""
 _TINY = float(np.finfo(np.float64).tiny)
 _PAIR_SHIFT = 2
 # Most values in one (series, workers, points) array of the line fit, which fits its rows
@@ -85,8 +88,9 @@ def robust_lines(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: BoolArray,
     anchors (``anchor_b``, ``anchor_y``, ``anchor_weight``, ``anchor_valid``; shaped as
     ``b`` and ``y``) together hold >= 2 distinct batch sizes.
 
-    Outliers (stragglers) are residuals beyond ``cfg.outlier_sigmas`` robust standard
-    deviations of a line's residuals, told in two rounds: first from a cheap robust line
+    Outliers (stragglers) are samples whose deviation relative to the line lies beyond
+    ``cfg.outlier_sigmas`` robust standard deviations of the row's (:func:`_inliers`), told
+    in two rounds: first from a cheap robust line
     (:func:`_pair_slope`), then from the line fitted to the first round's inliers. The
     least-squares fit to the second round's inliers, its slope shrunk toward the
     proportional model (:func:`shrunk_lines`), is the estimate. Slope and intercept are
@@ -132,18 +136,17 @@ def _robust_lines_block(cfg: FitConfig, b: FloatArray, y: FloatArray, valid: Boo
     proportional = _median_per_sample(b_all, y_all, np.concatenate([valid, anchor_valid],
                                                                    axis=-1))
     slope = _pair_slope(b_missing, y, count)
-    # added to the robust scale so that exact (noise-free) samples are inliers
     magnitude = np.abs(y)
     np.copyto(magnitude, 0.0, where=~valid)
-    exact = SCALE_FLOOR * magnitude.sum(axis=-1) / np.maximum(count, 1)
-    inlier = _inliers(cfg, b_missing, y, count, slope, exact)
+    least = LEAST_TIME_FRACTION * magnitude.sum(axis=-1) / np.maximum(count, 1) + _TINY
+    inlier = _inliers(cfg, b_missing, y, count, slope, least)
     used, spread, shrunk_slope, shrunk_intercept = _inlier_lines(
         b_all, y_all, inlier, anchored, anchor_weights, proportional, cfg.slope_prior_sd)
     slope = np.where(spread, shrunk_slope, slope)
     intercept = np.where(spread, shrunk_intercept, np.nan)  # NaN: the first line's, below
     # the second round: the rows whose inliers the first line moved are fitted again (the
     # others would give the same line: most rows at n = 1024 with 10% noise)
-    again = _inliers(cfg, b_missing, y, count, slope, exact)
+    again = _inliers(cfg, b_missing, y, count, slope, least)
     moved = (again != inlier).any(axis=-1)
     if moved.any():
         workers = np.nonzero(moved)[1]
@@ -200,15 +203,25 @@ def _inlier_lines(b: FloatArray, y: FloatArray, inlier: BoolArray, anchored: Boo
 
 
 def _inliers(cfg: FitConfig, b: FloatArray, y: FloatArray, count: IntArray,
-             slope: FloatArray, exact: FloatArray) -> BoolArray:
+             slope: FloatArray, least: FloatArray) -> BoolArray:
     """The samples within ``cfg.outlier_sigmas`` robust standard deviations of the median
-    residual from a line of this slope (plus ``exact``, a small fraction of the mean time,
-    so that exact samples are inliers); ``b`` is NaN where there is no sample."""
-    residual = np.multiply(slope[..., None], b)
-    np.subtract(y, residual, out=residual)
+    *relative* deviation from a line of this slope through the median residual; ``b`` is
+    NaN where there is no sample. Relative, because timing noise scales with the time: a
+    window of many short steps and a few long ones (a worker idle at 0 samples, then
+    probed at 160 on a quarter of a core: ~1 ms against ~20 ms, each with its ~20%) has
+    an absolute spread set by the short ones, and every long step fell outside it; the
+    slope then rested on the short steps alone and ran 2-3x high at the probe's size. The
+    line is taken as at least ``least`` (a small fraction of the row's mean time) where
+    it runs near 0, and exact (noise-free) samples stay inliers through ``SCALE_FLOOR``."""
+    line = np.multiply(slope[..., None], b)
+    residual = np.subtract(y, line)
+    centre = _median_of_low(residual, count)
+    np.add(line, centre[..., None], out=line)
+    size = np.maximum(np.abs(line), least[..., None])
+    np.subtract(y, line, out=residual)
+    np.divide(residual, size, out=residual)
     _, scale, deviation = _spread_in_place(residual, count)
-    scale = scale + exact + _TINY
-    inlier: BoolArray = deviation <= cfg.outlier_sigmas * scale[..., None]
+    inlier: BoolArray = deviation <= cfg.outlier_sigmas * (scale + SCALE_FLOOR)[..., None]
     return inlier
 
 
