@@ -389,6 +389,47 @@ def test_zeros_allowed_match_brute_force_on_small_clusters() -> None:
     assert checked > 500 and zeros > 100
 
 
+def test_an_idle_workers_own_all_reduce_matches_brute_force() -> None:
+    """Where a step with a worker at 0 has an all-reduce of its own (a CPU-only job's busy
+    workers reduce among themselves), against the enumeration of every split, each timed
+    by the model of its kind: the same workers with the busy all-reduce or with the idle
+    one, two plain ClusterModels. Dropping the busy worker of the fewest samples one at a
+    time is exact here in 706 of 719 cases, and never slower than the plan made without
+    the idle all-reduce, as that plan runs (faster in 19)."""
+    rng = np.random.default_rng(11)
+    exact = checked = gained = 0
+    for _ in range(60):
+        base = fixed_cost_cluster(rng, int(rng.integers(2, 5)), min_batch=1)
+        busy = ClusterModel(nodes=base.nodes, comm=CommModel(
+            buckets=[(r, 10 * c) for r, c in base.comm.buckets]))
+        idle = CommModel(buckets=[(r, c * float(rng.uniform(0.1, 1.0)))
+                                  for r, c in busy.comm.buckets])
+        routed = ClusterModel(nodes=base.nodes, comm=idle)
+        cluster = ClusterModel(nodes=base.nodes, comm=busy.comm, idle_comm=idle)
+        for total in range(1, 13):
+            caps = [nd.max_batch for nd in cluster.nodes]
+            if None not in caps and sum(c for c in caps if c is not None) < total:
+                continue
+            ranges = [[0, *range(1, total + 1 if nd.max_batch is None else nd.max_batch + 1)]
+                      for nd in cluster.nodes]
+            best = min((routed if 0 in split else busy).step_time(split)
+                       for split in itertools.product(*ranges) if sum(split) == total)
+            plan = zero_split(cluster, total)
+            kind = routed if 0 in plan.local_batches else busy
+            assert sum(plan.local_batches) == total
+            assert plan.step_time == pytest.approx(kind.step_time(plan.local_batches), rel=1e-12)
+            assert plan.step_time >= best * (1 - 1e-12)
+            unaware = zero_split(busy, total).local_batches  # as it runs, on either route
+            unaware_s = (routed if 0 in unaware else busy).step_time(unaware)
+            assert plan.step_time <= unaware_s * (1 + 1e-12)
+            exact += plan.step_time == pytest.approx(best, rel=1e-12)
+            gained += plan.step_time < unaware_s * (1 - 1e-9)
+            checked += 1
+    print(f"an idle all-reduce: zero_split exact in {exact} of {checked} cases, faster than "
+          f"without it in {gained}")
+    assert checked > 500 and exact >= 0.97 * checked and gained >= 10
+
+
 def test_zeros_with_a_larger_minimum_are_valid_and_never_worse() -> None:
     # b_i in {0} U [2, cap]: not a convex set, zero_split is a heuristic here; it must be
     # valid, never worse than optimal_split, and is compared with the enumeration

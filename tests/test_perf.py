@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cannikin import rowfit
+from cannikin.optperf import without_worker
 from cannikin.perf import (
     ClusterModel,
     CommFitter,
@@ -98,6 +99,25 @@ def test_cluster_rejects_empty_and_bad_splits() -> None:
         cluster.step_time([1, 2, 3])
     with pytest.raises(ValueError, match=">= 0"):
         cluster.step_time([1, -2])
+
+
+def test_a_split_with_an_idle_worker_takes_the_idle_all_reduce() -> None:
+    nodes = [NodeModel(fwd=(0.01, 0.001), bwd=(0.02, 0.002), cpu_floor=(0.01, 0.004),
+                       noise=0.2, cpu_noise=0.1),
+             NodeModel(fwd=(0.03, 0.002), bwd=(0.04, 0.004), noise=0.1)]
+    busy, idle = CommModel(buckets=[(0.5, 0.01), (1.0, 0.05)]), CommModel(buckets=[(1.0, 0.002)])
+    cluster = ClusterModel(nodes=nodes, comm=busy, idle_comm=idle)
+    plain, routed = ClusterModel(nodes=nodes, comm=busy), ClusterModel(nodes=nodes, comm=idle)
+    for split in ([5, 3], [0, 8], [8, 0], [0, 0]):
+        kind = routed if 0 in split else plain
+        assert cluster.step_time(split) == kind.step_time(split)
+        assert cluster.expected_step_time(split) == kind.expected_step_time(split)
+    columns = np.array([[5, 0, 8], [3, 8, 0]])
+    expected = np.stack([(routed if 0 in col else plain).node_times(col)
+                         for col in columns.T], axis=1)
+    np.testing.assert_array_equal(cluster.node_times(columns), expected)
+    assert ClusterModel(nodes=nodes, comm=busy).with_idle.comm == busy
+    assert without_worker(cluster, 1).comm == idle  # the others already reduce alone
 
 
 def test_step_time_matches_event_timeline() -> None:

@@ -391,3 +391,6 @@ def test_idle_workers_receive_the_sum_from_the_busy_ones(figures: dict[str, Any]
     # busy {0, 1} and source 0 with idle 2; busy {1, 2}; source 2 with idle 0 is {0, 2}
     # again; the last split's route is kept
     assert got["made"] == [[0, 1], [0, 2], [1, 2]]
+    # the planner fits the all-reduce of the steps with a worker at 0 apart from the others
+    assert got["fitted_apart"] is True
+    assert min(got["comm_samples"]) >= 1, got["comm_samples"]

@@ -409,7 +409,21 @@ def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False,
     at a few samples still adds its noise to the step's maximum). A total below the sum of
     the minima is split with zeros. ``optimal``: ``optimal_split(cluster, total_batch)``
     where the caller has it already (a re-plan does).
+
+    Where a step with an idle worker has an all-reduce of its own
+    (:attr:`ClusterModel.idle_comm`), a plan with no worker at its minimum can gain from
+    0 too: the busy worker with the fewest samples is then dropped, one at a time, while
+    the step gets faster (:func:`_dropping_the_least`).
     """
+    plan = _floored(cluster, total_batch, expected, optimal)
+    if cluster.idle_comm is None:
+        return plan
+    return _dropping_the_least(cluster, total_batch, expected, plan)
+
+
+def _floored(cluster: ClusterModel, total_batch: int, expected: bool,
+             optimal: Plan | None) -> Plan:
+    """:func:`zero_split` with the all-reduce of every split the same."""
     nodes = cluster.nodes
     plan = None
     if _is_int(total_batch) and total_batch >= sum(n.min_batch for n in nodes):
@@ -420,7 +434,8 @@ def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False,
     while True:
         rest = [i for i in range(len(nodes)) if i not in dropped]
         sub = ClusterModel(nodes=[dataclasses.replace(nodes[i], min_batch=0) for i in rest],
-                           comm=cluster.comm)
+                           comm=cluster.with_idle.comm if dropped else cluster.comm,
+                           idle_comm=cluster.idle_comm)
         try:
             part = optimal_split(sub, total_batch)
         except ValueError:  # the others cannot hold the batch without the dropped workers
@@ -449,6 +464,30 @@ def zero_split(cluster: ClusterModel, total_batch: int, expected: bool = False,
     return floored if better else plan
 
 
+def _dropping_the_least(cluster: ClusterModel, total_batch: int, expected: bool,
+                        plan: Plan) -> Plan:
+    """``plan`` with the busy worker of the fewest samples given 0 (the others split again),
+    one at a time, while the (expected) step gets faster."""
+    def time_of(candidate: Plan) -> float:
+        if expected:
+            return cluster.expected_step_time(list(candidate.local_batches))
+        return candidate.step_time
+
+    while True:
+        busy = [i for i, b in enumerate(plan.local_batches) if b > 0]
+        if len(busy) < 2:
+            return plan
+        least = min(busy, key=lambda i: plan.local_batches[i])
+        idle = {i for i, b in enumerate(plan.local_batches) if b == 0} | {least}
+        try:
+            candidate = split_without(cluster, total_batch, idle)
+        except ValueError:  # the others cannot hold the batch
+            return plan
+        if not time_of(candidate) < time_of(plan):
+            return plan
+        plan = candidate
+
+
 def split_without(cluster: ClusterModel, total_batch: int, idle: Collection[int]) -> Plan:
     """The workers in ``idle`` get 0 samples, the others ``total_batch`` split optimally
     within their bounds; the step time counts the idle workers' fixed time too (they still
@@ -457,7 +496,8 @@ def split_without(cluster: ClusterModel, total_batch: int, idle: Collection[int]
     if not rest:
         raise ValueError(f"idle={sorted(idle)} leaves none of the {cluster.size} workers")
     part = optimal_split(ClusterModel(nodes=[cluster.nodes[i] for i in rest],
-                                      comm=cluster.comm), total_batch)
+                                      comm=cluster.with_idle.comm if idle else cluster.comm),
+                         total_batch)
     local = [0] * cluster.size
     for i, b in zip(rest, part.local_batches, strict=True):
         local[i] = b
@@ -466,14 +506,17 @@ def split_without(cluster: ClusterModel, total_batch: int, idle: Collection[int]
 
 def without_worker(cluster: ClusterModel, rank: int) -> ClusterModel:
     """The cluster with worker ``rank`` gone: its node dropped and each all-reduce time
-    scaled as a ring all-reduce's, whose per-rank traffic is ``2(n-1)/n`` of the gradient
-    (a single worker communicates nothing). ``rank`` must be a valid index and the
-    cluster must have >= 2 workers."""
+    that of a step with a worker idle (:attr:`ClusterModel.idle_comm`: the others reduce
+    among themselves, a little less without the send to it) or, without one, scaled as a
+    ring all-reduce's, whose per-rank traffic is ``2(n-1)/n`` of the gradient (a single
+    worker communicates nothing). ``rank`` must be a valid index and the cluster must have
+    >= 2 workers."""
     n = cluster.size
     if n < 2 or not 0 <= rank < n:
         raise ValueError(f"rank={rank!r} must index one of n={n} >= 2 workers")
     scale = ((n - 2) / (n - 1)) / ((n - 1) / n)
-    comm = CommModel(buckets=[(rho, c * scale) for rho, c in cluster.comm.buckets])
+    comm = cluster.idle_comm or CommModel(
+        buckets=[(rho, c * scale) for rho, c in cluster.comm.buckets])
     return ClusterModel(nodes=[nd for i, nd in enumerate(cluster.nodes) if i != rank], comm=comm)
 
 

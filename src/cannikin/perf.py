@@ -358,6 +358,11 @@ class ClusterModel:
 
     nodes: Sequence[NodeModel]
     comm: CommModel = field(default_factory=CommModel)
+    idle_comm: CommModel | None = None
+    """The all-reduce of a step where some worker has 0 samples, where it differs (None:
+    ``comm``): on a CPU-only job the busy workers reduce among themselves and one of them
+    sends the sum to the idle ones (:mod:`cannikin.runtime.routes`), so a slow idle worker
+    no longer paces the ring."""
 
     def __post_init__(self) -> None:
         nodes = tuple(self.nodes)
@@ -378,15 +383,32 @@ class ClusterModel:
         """The parameters as numpy arrays (computed once), for vectorised planners."""
         return ClusterArrays.of(self)
 
+    @cached_property
+    def with_idle(self) -> ClusterModel:
+        """The same workers with ``idle_comm`` as their all-reduce: the model of a split
+        that gives some worker 0 samples (itself where ``idle_comm`` is None)."""
+        if self.idle_comm is None:
+            return self
+        return ClusterModel(nodes=self.nodes, comm=self.idle_comm)
+
     def node_times(self, local_batches: npt.ArrayLike) -> FloatArray:
         """Each worker's share of the step: ``max_j (F_i + rho_j K_i + R_j)``, or its CPU
         floor where that is longer, shape (n,) (or (n, T) for local batches of shape
-        (n, T)), its earlier passes included where it accumulates (:class:`ClusterArrays`).
+        (n, T)), its earlier passes included where it accumulates (:class:`ClusterArrays`);
+        a split with a worker at 0 through :attr:`with_idle`.
 
         The step time is the largest of these; bounds (min/max batch) are not enforced
         here so that any split, feasible or not, can be evaluated.
         """
-        return self.arrays.worker_times(self._checked(local_batches))
+        batches = self._checked(local_batches)
+        times = self.arrays.worker_times(batches)
+        if self.idle_comm is None:
+            return times
+        idle = (batches == 0).any(axis=0)
+        if not idle.any():
+            return times
+        routed = self.with_idle.arrays.worker_times(batches)
+        return np.where(idle, routed, times)
 
     def _checked(self, local_batches: npt.ArrayLike) -> FloatArray:
         """``local_batches`` as floats, shape (n,) or (n, T); a ValueError naming them if
@@ -418,8 +440,10 @@ class ClusterModel:
         noise), the floor with ``cpu_noise_i`` times the floor. So the step is the expected
         maximum over every worker's path and floor; a worker far above its floor is as
         noisy as its compute, one far below it as its CPU. Equals :meth:`step_time` when
-        nothing is noisy.
+        nothing is noisy. A split with a worker at 0 is :attr:`with_idle`'s.
         """
+        if self.idle_comm is not None and np.any(self._checked(local_batches) == 0):
+            return self.with_idle.expected_step_time(local_batches)
         arr = self.arrays
         floor_noise = arr.floor_noise
         if not (np.any(arr.noise > 0) or (floor_noise is not None and np.any(floor_noise > 0))):

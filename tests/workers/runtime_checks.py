@@ -573,8 +573,9 @@ def _idle_route(bucket_view: bool) -> dict[str, Any]:
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     data = _blobs(60 * 20)
     loader = HeteroDataLoader(data, batch_size=60, seed=4)
+    # the noise scale scales the LR: every measured step times its all-reduces
     model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
-                               gradient_as_bucket_view=bucket_view)
+                               gradient_as_bucket_view=bucket_view, lr_scaling="adascale")
     splits = [(40, 20, 0), (0, 25, 35), (20, 20, 20), (40, 20, 0)]  # 3 workers
     made: list[list[int]] = []
     new_group = dist.new_group
@@ -604,9 +605,13 @@ def _idle_route(bucket_view: bool) -> dict[str, Any]:
     params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     every: list[Any] = [None] * world
     dist.all_gather_object(every, (worst, parts, params.tolist()))
+    planner = model.planner
     return {"rel_err": max(w for w, _, _ in every), "parts": [p for _, p, _ in every],
             "made": made, "params_differ": max(float((torch.tensor(p) - params).abs().max())
-                                               for _, _, p in every)}
+                                               for _, _, p in every),
+            "fitted_apart": planner.config.idle_route,
+            "comm_samples": [planner.comm_fitter.num_samples,
+                             planner.idle_comm_fitter.num_samples]}
 
 
 class OomOnRank1(nn.Module):

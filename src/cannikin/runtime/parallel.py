@@ -325,6 +325,8 @@ class HeteroDataParallel(nn.Module):
         self.comm.rows_at_last = recovers
         auto = loader.autoscale
         lo, hi = auto.local_bsz_bounds if auto is not None else (1, None)
+        # a step with a worker at 0 reduces over the busy ones only (runtime/routes.py)
+        routes = not (any_gpu or recovers or self.comm.group is not None)
         planner = Planner(PlannerConfig(
             world_size=self.world_size, init_batch=loader.batch_size, split=options.split,
             replan_every=options.replan_every, warmup_steps=options.warmup_steps,
@@ -332,7 +334,7 @@ class HeteroDataParallel(nn.Module):
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
             max_local=hi, caps=caps, names=names, accumulate=options.max_micro_batches > 1,
             max_micro_batches=options.max_micro_batches,
-            micro_batches=options.micro_batches), log_plans=self.rank == 0)
+            micro_batches=options.micro_batches, idle_route=routes), log_plans=self.rank == 0)
         if options.max_micro_batches > 1 and all(cap is None for cap in caps):
             logger.warning("max_micro_batches=%d without a max_local_batch on any worker: "
                            "no worker has a memory cap to accumulate beyond",
@@ -348,8 +350,8 @@ class HeteroDataParallel(nn.Module):
             # else on every NORM_STRIDE-th (for the metrics)
             noise_decides=auto is not None or lr_scaling in ("adascale", "adamscale"),
             exchange_every_step=any_gpu or recovers,
-            idle_routes=None if any_gpu or recovers or self.comm.group is not None else
-            IdleRoutes(self.rank, self.world_size, self.collective_timeout),
+            idle_routes=IdleRoutes(self.rank, self.world_size, self.collective_timeout)
+            if routes else None,
             hooks=[optimizer.register_step_pre_hook(self._before_optimizer_step),
                    optimizer.register_step_post_hook(self._after_optimizer_step)])
         loader.attach(self, self.rank, self.world_size)
