@@ -401,14 +401,15 @@ class ClusterModel:
         here so that any split, feasible or not, can be evaluated.
         """
         batches = self._checked(local_batches)
-        times = self.arrays.worker_times(batches)
         if self.idle_comm is None:
-            return times
+            return self.arrays.worker_times(batches)
         idle = (batches == 0).any(axis=0)
         if not idle.any():
-            return times
+            return self.arrays.worker_times(batches)
         routed = self.with_idle.arrays.worker_times(batches)
-        return np.where(idle, routed, times)
+        if idle.all():
+            return routed
+        return np.where(idle, routed, self.arrays.worker_times(batches))
 
     def _checked(self, local_batches: npt.ArrayLike) -> FloatArray:
         """``local_batches`` as floats, shape (n,) or (n, T); a ValueError naming them if
