@@ -55,7 +55,7 @@ from cannikin.runtime.planner import (
 )
 from cannikin.runtime.precondition import Preconditioner
 from cannikin.runtime.quota import own_cpu_limit
-from cannikin.runtime.routes import IdleRoutes
+from cannikin.runtime.routes import IdleRoutes, largest_batch_rank
 from cannikin.runtime.step_timeout import StepTimeout
 from cannikin.runtime.timing import Clock, clock_for
 from cannikin.scaling import RULES, LRScaler
@@ -552,7 +552,7 @@ class HeteroDataParallel(nn.Module):
         cycle.norms = cycle.measuring and (self.attached.noise_decides
                                            or cycle.step % NORM_STRIDE == 0)
         self.comm.capture_sqnorm = cycle.norms
-        self.comm.takes_global = split.index(max(split)) == self.rank
+        self.comm.takes_global = largest_batch_rank(split) == self.rank
         routes = self.attached.idle_routes
         self.comm.route = None if routes is None else routes.route(split)
         if cycle.norms and len(cycle.passes) > 1:

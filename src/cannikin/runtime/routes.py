@@ -46,6 +46,14 @@ class Route:
     """The source's global rank."""
 
 
+def largest_batch_rank(split: tuple[int, ...]) -> int:
+    """The rank with the step's largest local batch (the first of equals): a route's
+    source, and the rank that takes |g|^2 of the reduced gradient for every rank
+    (:attr:`cannikin.runtime.comm.CommState.takes_global`), so that on a route the rank
+    that holds the sum first is the one that measures it."""
+    return split.index(max(split))
+
+
 class IdleRoutes:
     """The routes of one job, made on demand (collectively) and kept."""
 
@@ -67,7 +75,7 @@ class IdleRoutes:
         idle = tuple(r for r, b in enumerate(split) if b == 0)
         if not idle or len(idle) == len(split):
             return None
-        source = split.index(max(split))
+        source = largest_batch_rank(split)
         key = (idle, source)
         if key not in self._routes:
             if len(self._routes) == MAX_ROUTES:
