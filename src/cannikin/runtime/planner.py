@@ -1097,8 +1097,10 @@ class Planner:
         return f"try worker {rank} at 0 samples", trial
 
     def _with_zeros(self, cluster: ClusterModel, plan: Plan) -> Plan:
-        """``plan``, or a faster one where some workers get 0 samples (``allow_zero``)."""
-        if not self.config.allow_zero or self.config.min_local not in plan.local_batches:
+        """``plan``, or a faster one where some workers get 0 samples (``allow_zero``):
+        where a worker is at its minimum, or where a step with an idle worker has an
+        all-reduce of its own (:func:`~cannikin.optperf.zero_split` decides both)."""
+        if not self.config.allow_zero:
             return plan
         return zero_split(cluster, plan.total_batch, expected=True, optimal=plan)
 
