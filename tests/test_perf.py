@@ -473,6 +473,40 @@ def test_expected_step_time_matches_a_monte_carlo_of_noisy_compute() -> None:
     assert quiet.expected_step_time([30, 12, 6]) == quiet.step_time([30, 12, 6])
 
 
+def test_a_spread_measured_at_one_batch_holds_at_every_batch() -> None:
+    """``noise_batch``: the worker's standard deviation is ``noise`` times its compute at
+    that batch, wherever it runs (the worker at 0 samples measured 60% of a small time is
+    not 60% noisy at 40). Reference: a Monte Carlo with those standard deviations, the
+    compute at each batch from the lines directly."""
+    rng = np.random.default_rng(4)
+    comm = CommModel(buckets=[(0.3, 0.05), (1.0, 0.01)])
+    spec = ((1.0, 0.25, None), (2.0, 0.1, 12.0), (3.0, 0.6, 0.0))
+    nodes = [NodeModel(fwd=(0.01 * k, 0.001 * k), bwd=(0.02 * k, 0.002 * k), noise=noise,
+                       noise_batch=at) for k, noise, at in spec]
+    cluster = ClusterModel(nodes=nodes, comm=comm)
+    arr = cluster.arrays
+
+    def compute(batches: list[float]) -> tuple[np.ndarray, np.ndarray]:
+        lines = arr.offsets + arr.slopes * np.array(batches)[:, None]
+        j = np.argmax(lines, axis=1)
+        return lines[np.arange(3), j], lines[np.arange(3), j] - arr.comm_left[j]
+
+    split = [30, 12, 40]
+    path, _ = compute([float(b) for b in split])
+    _, at = compute([float(b) if a is None else a for b, (_, _, a) in zip(split, spec,
+                                                                          strict=True)])
+    sds = np.array([noise for _, noise, _ in spec]) * at
+    draws = (path + sds * rng.standard_normal((400_000, 3))).max(axis=1)
+    se = float(draws.std()) / math.sqrt(draws.size)
+    got = cluster.expected_step_time(split)
+    assert abs(got - float(draws.mean())) < 4 * se, (got, float(draws.mean()))
+    relative = ClusterModel(nodes=[dataclasses.replace(nd, noise_batch=None) for nd in nodes],
+                            comm=comm)
+    assert relative.expected_step_time(split) > got + 0.01  # 60% of its time at 40: more
+    with pytest.raises(ValueError, match="noise_batch=-1.0 must be None or finite and >= 0"):
+        NodeModel(fwd=(0.01, 0.001), bwd=(0.02, 0.002), noise=0.1, noise_batch=-1.0)
+
+
 def test_expected_step_time_with_cpu_floors_matches_a_monte_carlo() -> None:
     """Reference: a Monte Carlo of each worker's time as the larger of its compute path
     (its compute part noisy) and its CPU floor (noisy by ``cpu_noise``), the step the
@@ -598,6 +632,22 @@ def test_a_speed_change_forgets_the_anchors() -> None:
     assert model.forward_time(2) + model.backward_time(2) == pytest.approx(2 * 0.0506, rel=0.01)
 
 
+def test_a_change_seen_at_0_samples_only_keeps_the_anchors() -> None:
+    """An idle worker's time at 0 samples is its fixed cost (on a quota worker mostly
+    throttle waits, which come and go): a shift there says nothing of the time per
+    sample, and the remembered batch size still anchors the slope."""
+    fitter = NodeFitter()
+    for b in [160] * 5 + [0] * 64:
+        fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b, remember=b == 160)
+    for _ in range(20):
+        fitter.add(0, 1.5 * 0.02, 1.5 * 0.03)  # its fixed time 1.5x
+    model = fitter.fit()
+    assert model is not None and fitter.num_samples < 64  # the older samples are gone
+    assert fitter.batch_sizes() == [0.0, 160.0]
+    assert model.forward_time(0) + model.backward_time(0) == pytest.approx(0.075, rel=0.01)
+    assert model.forward_time(160) + model.backward_time(160) == pytest.approx(0.098, rel=0.01)
+
+
 def test_only_remembered_batch_sizes_anchor_the_fit() -> None:
     fitter = NodeFitter()
     for b in [160] * 5 + [2] * 64:
@@ -653,7 +703,11 @@ def test_fitted_models_are_what_the_constructor_builds() -> None:
     for model, name, low, high in zip(models, names, lows, highs, strict=True):
         assert model is not None
         assert model == NodeModel(fwd=model.fwd, bwd=model.bwd, name=name, min_batch=low,
-                                  max_batch=high, noise=model.noise)
+                                  max_batch=high, noise=model.noise,
+                                  noise_batch=model.noise_batch)
+        # the noise was measured at the window's batches: their mean
+        assert model.noise > 0 and model.noise_batch == pytest.approx(
+            float(np.mean(fitters[names.index(name)].samples()[:, 0])))
         assert type(model.min_batch) is int and model.micro_batch is None
     for bad_low in (1.0, True):
         for fitter, b in zip(fitters, (8, 16), strict=False):

@@ -161,7 +161,14 @@ class NodeModel:
     one pass, or ``micro_batch``'s rule). ``noise`` is the relative standard
     deviation of its compute time from step to step (0: deterministic): a step waits for
     the slowest worker *of that step*, so noise raises the expected step time above the
-    max of the means (:meth:`ClusterModel.expected_step_time`). ``cpu_floor=(c0, c1)``: the
+    max of the means (:meth:`ClusterModel.expected_step_time`). ``noise_batch``: the
+    local batch it was measured at, where its standard deviation (``noise`` times the
+    compute there) holds at every batch (None: ``noise`` is relative at every batch). On
+    quota workers the disturbances are of a fixed size (a throttled CFS period, a
+    preemption), not a share of the work: the quarter-core worker's relative noise was
+    0.3-0.85 at 0 samples (a millisecond of compute among throttle waits), 0.2-0.4 at
+    20-40 and ~0.1 at 160, about 6 ms at each; held at 0 and taken as relative, it put the
+    even split 20-70% high. ``cpu_floor=(c0, c1)``: the
     shortest step its CPU allows, ``c0 + c1*b`` seconds at local batch b (None: not
     bound). It is the worker's CPU seconds per step, every thread of it (compute, its
     share of the all-reduce, the runtime), over the cores it may use (a cgroup quota, its
@@ -186,6 +193,7 @@ class NodeModel:
     min_batch: int = 1
     name: str = ""
     noise: float = 0.0
+    noise_batch: float | None = None
     micro_batch: int | None = None
     fixed_passes: int | None = None
     cpu_floor: tuple[float, float] | None = None
@@ -226,6 +234,12 @@ class NodeModel:
         if not (math.isfinite(noise) and noise >= 0):
             raise ValueError(f"node {self.name!r}: noise={self.noise!r} must be finite and >= 0")
         object.__setattr__(self, "noise", noise)
+        if self.noise_batch is not None:
+            at = float(self.noise_batch)
+            if not (math.isfinite(at) and at >= 0):
+                raise ValueError(f"node {self.name!r}: noise_batch={self.noise_batch!r} must "
+                                 f"be None or finite and >= 0")
+            object.__setattr__(self, "noise_batch", at)
         if self.micro_batch is not None:
             if not _is_int(self.micro_batch) or self.micro_batch < 1:
                 raise ValueError(
@@ -450,19 +464,17 @@ class ClusterModel:
         if not (np.any(arr.noise > 0) or (floor_noise is not None and np.any(floor_noise > 0))):
             return self.step_time(local_batches)
         batches = self._checked(local_batches)
-        row, x = arr.rows_of(batches)
-        lines = arr.offsets[row] + arr.slopes[row] * x[:, None]
+        path, compute, row, x = arr.compute_paths(batches)
+        if arr.noise_batch is not None:  # the spread measured there holds everywhere
+            measured_at = np.where(np.isnan(arr.noise_batch), batches, arr.noise_batch)
+            compute = arr.compute_paths(measured_at)[1]
         if arr.floor_rows is None:
-            paths, floors, floor_sds = lines, np.empty(0), np.empty(0)
+            floors, floor_sds = np.empty(0), np.empty(0)
         else:  # the last column is the floors': a time of its own, with a noise of its own
-            paths = lines[:, :-1]
             on = arr.floor_rows[row]
             assert floor_noise is not None
             floors = arr.floors(batches, row, x)[on]
             floor_sds = floor_noise[on] * floors
-        binding = np.argmax(paths, axis=1)
-        path = paths[np.arange(binding.size), binding]
-        compute = np.maximum(path - arr.comm_left[binding], 0.0)
         return expected_max(np.concatenate([path, floors]),
                             np.concatenate([arr.noise * compute, floor_sds]))
 
@@ -517,6 +529,9 @@ class ClusterArrays:
     the line's), shape (n,); None when no worker has one."""
     floor_noise: FloatArray | None = None
     """Each worker's :attr:`NodeModel.cpu_noise`, shape (n,); None where not :attr:`floored`."""
+    noise_batch: FloatArray | None = None
+    """Each worker's :attr:`NodeModel.noise_batch` (NaN: None), shape (n,); None where no
+    worker has one."""
 
     @property
     def floored(self) -> bool:
@@ -547,6 +562,20 @@ class ClusterArrays:
         row = self.first_row.reshape(shape) + k - 1
         x: FloatArray = b - self.start[row]
         return row, x
+
+    def compute_paths(self, local_batches: FloatArray) -> tuple[
+        FloatArray, FloatArray, npt.NDArray[np.intp], FloatArray
+    ]:
+        """Each worker's path (its time without the CPU floor) at its local batch, shape
+        (n,), the compute in it (the communication left after its binding bucket is not),
+        and the rows and ``x`` the batches fall on (:meth:`rows_of`)."""
+        row, x = self.rows_of(local_batches)
+        lines = self.offsets[row] + self.slopes[row] * x[:, None]
+        paths = lines if self.floor_rows is None else lines[:, :-1]
+        binding = np.argmax(paths, axis=1)
+        path: FloatArray = paths[np.arange(binding.size), binding]
+        compute: FloatArray = np.maximum(path - self.comm_left[binding], 0.0)
+        return path, compute, row, x
 
     def worker_times(self, local_batches: FloatArray) -> FloatArray:
         """Each worker's time at its local batch; (n,) or (n, T) as the batches."""
@@ -594,10 +623,11 @@ class ClusterArrays:
                             math.inf if n.micro_batch is None else n.micro_batch,
                             n.fixed_passes or 0, n.rows, n.noise,
                             *(n.cpu_floor or (math.nan, math.nan)),
-                            math.nan if n.cpu_idle is None else n.cpu_idle, n.cpu_noise)
+                            math.nan if n.cpu_idle is None else n.cpu_idle, n.cpu_noise,
+                            math.nan if n.noise_batch is None else n.noise_batch)
                            for n in nodes], dtype=np.float64)
-        f0, f1, k0, k1, lo_w, hi_w, micro, fixed_w, rows, noise, c0, c1, idle, cpu_noise = \
-            fields.T
+        (f0, f1, k0, k1, lo_w, hi_w, micro, fixed_w, rows, noise, c0, c1, idle, cpu_noise,
+         noise_batch) = fields.T
         binding = cluster.comm.binding()
         rho = cluster.comm.ready_fractions[binding]
         remaining = cluster.comm.remaining[binding]
@@ -631,7 +661,9 @@ class ClusterArrays:
                              comm_left=remaining, noise=noise, owner=owner, start=start,
                              first_row=first_row, micro=micro, passes=passes, floor_rows=has,
                              idle_floor=idle if np.any(np.isfinite(idle)) else None,
-                             floor_noise=None if has is None else cpu_noise)
+                             floor_noise=None if has is None else cpu_noise,
+                             noise_batch=noise_batch if np.any(np.isfinite(noise_batch))
+                             else None)
 
 
 _FLOOR_SLOPE = 1e-6
@@ -707,7 +739,8 @@ class NodeFitter:
     ``level_samples`` measurements ``add``-ed with ``remember`` at each of up to ``levels``
     distinct batch sizes are kept too, and the median of every such batch size that the
     window no longer holds (with at least ``anchor_min_samples`` measurements) joins the
-    fit as an anchor. A change of speed forgets the anchors with the older samples.
+    fit as an anchor. A change of speed forgets the anchors with the older samples (one
+    seen at 0 samples only keeps them, :meth:`_forget_oldest`).
 
     Before two distinct batch sizes are known the model is proportional to the
     measurements (``F(b) = F(b*) * b / b*``) or, once a two-size fit exists, that fit's
@@ -860,14 +893,21 @@ class NodeFitter:
         nearest = min(gap.values())
         del self._levels[next(b for b in self._levels if gap.get(b) == nearest)]
 
-    def _forget_oldest(self, count: int) -> None:
-        """Drop the window's ``count`` oldest samples and every anchor (a change of speed)."""
+    def _forget_oldest(self, count: int, anchors: bool = True) -> None:
+        """Drop the window's ``count`` oldest samples and, with ``anchors``, every anchor (a
+        change of speed). A change found where every sample since is at 0 samples (an idle
+        worker) keeps them: its time there is its fixed cost, and on a quota worker mostly
+        throttle waits, which come and go with the others' load. Forgetting the anchors
+        there left the fit to extrapolate from 0-24 samples: the quarter-core worker's
+        compute at 160 samples fitted at 15-26 ms, and in another run 135 + 128 ms,
+        against 55-65 measured."""
         gone = (self._start + np.arange(count)) % self.window
         self._ring[:, gone] = self._ring[:, gone + self.window] = 0.0  # zeros past the count
         self._start = (self._start + count) % self.window
         self._count -= count
-        self._levels.clear()
-        self._anchor_rows = None
+        if anchors:
+            self._levels.clear()
+            self._anchor_rows = None
 
     def anchor_rows(self) -> FloatArray:
         """Rows (batch, median fwd, median bwd, weight) of every remembered batch size with
@@ -957,19 +997,23 @@ def _refit(fitters: Sequence[NodeFitter], keys: Sequence[tuple[str, int, int | N
     spread = robust_spread(log_ratio, valid)
     shift = change_points(log_ratio, valid, first.config, spread) if detect else (
         np.zeros(len(fitters), dtype=np.intp))
-    noise = np.where(valid.sum(axis=1) >= first.noise_min_samples, spread[1], 0.0)
+    count = valid.sum(axis=1)
+    noise = np.where(count >= first.noise_min_samples, spread[1], 0.0)
+    # where the noise was measured: the window's mean batch (NodeModel.noise_batch)
+    noise_batch = np.where(valid, b, 0.0).sum(axis=1) / np.maximum(count, 1)
     # rows a NodeModel would accept; any other goes through its checks (and their error)
     sound = ((np.isfinite(params) & (params >= 0)).all(axis=1) & np.isfinite(noise)
              & (noise >= 0)).tolist()
     templates: dict[tuple[object, ...], dict[str, object]] = {}  # by bounds: a checked model's
     models: list[NodeModel | None] = []
-    for fitter, key, forget, line, two_sizes, sd, checked in zip(
+    for row, (fitter, key, forget, line, two_sizes, sd, at, checked) in enumerate(zip(
             fitters, keys, shift.tolist(), params.tolist(), shaped.tolist(), noise.tolist(),
-            sound, strict=True):
+            noise_batch.tolist(), sound, strict=True)):
         if forget:
             logger.info("node %r: speed changed %d samples ago; forgetting %d older samples",
                         key[0], fitter.num_samples - forget, forget)
-            fitter._forget_oldest(forget)
+            # seen at 0 samples only, a change says nothing of the time per sample
+            fitter._forget_oldest(forget, anchors=bool(np.any(b[row, forget:count[row]] > 0)))
             models.append(_refit([fitter], [key], detect=False)[0])
             continue
         model = None
@@ -980,21 +1024,21 @@ def _refit(fitters: Sequence[NodeFitter], keys: Sequence[tuple[str, int, int | N
             template = templates.get(bounds) if checked else None
             if template is None:
                 model = NodeModel(fwd=(line[0], line[1]), bwd=(line[2], line[3]), name=key[0],
-                                  min_batch=key[1], max_batch=key[2], noise=sd)
+                                  min_batch=key[1], max_batch=key[2], noise=sd,
+                                  noise_batch=at if sd > 0 else None)
                 templates.setdefault(bounds, vars(model))
             else:
-                model = _model_like(template, line, key[0], sd)
+                model = _model_like(template, line, key[0], sd, at if sd > 0 else None)
         if detect:  # a fit that forgot nothing gives the same model until a sample arrives
             fitter._fitted = (key, model)
         models.append(model)
     return models
 
 
-def _model_like(fields: dict[str, object], line: list[float], name: str, noise: float) -> (
-    NodeModel
-):
+def _model_like(fields: dict[str, object], line: list[float], name: str, noise: float,
+                noise_batch: float | None) -> NodeModel:
     """A :class:`NodeModel` with a checked model's ``fields`` but another fitted line (f0,
-    f1, k0, k1), name and noise, none of it checked again: the bounds passed
+    f1, k0, k1), name, noise and noise_batch, none of it checked again: the bounds passed
     ``NodeModel``'s checks, and the numbers are finite and >= 0 (the caller checks every
     row at once). At n = 1024 the checks cost ~2.7 ms a re-plan, this ~0.6 ms (~0.9 ms
     with the fields passed as keywords)."""
@@ -1002,7 +1046,7 @@ def _model_like(fields: dict[str, object], line: list[float], name: str, noise: 
     attrs = vars(model)
     attrs.update(fields)
     attrs["fwd"], attrs["bwd"] = (line[0], line[1]), (line[2], line[3])
-    attrs["name"], attrs["noise"] = name, noise
+    attrs["name"], attrs["noise"], attrs["noise_batch"] = name, noise, noise_batch
     return model
 
 
