@@ -255,10 +255,26 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None
             "chosen_windows": len(hdp.planner.chosen_tracker.window_errors()),
             "plan_stall_s": hdp.planner.plan_stall_s,
             "tracker_step": tracker.median_step_error(),
+            "even_parts": None if model is None else _parts(model, even),
         }))
     hdp.remove_hooks()
     held.remove_hooks()
     dist.destroy_process_group()
+
+
+def _parts(model: Any, split: tuple[int, ...]) -> dict[str, Any]:
+    """The model's parts at ``split``: each worker's compute, its path (the compute and the
+    all-reduce left after it) and its CPU floor, and the all-reduce's total with every
+    worker busy and with one idle (ms)."""
+    import numpy as np
+
+    arr = model.arrays
+    batches = np.asarray(split, dtype=np.float64)
+    path, compute, row, x = arr.compute_paths(batches)
+    floors = arr.floors(batches, row, x) if arr.floored else np.full(len(split), np.nan)
+    idle = None if model.idle_comm is None else 1e3 * model.idle_comm.total
+    return {"compute": (1e3 * compute).tolist(), "path": (1e3 * path).tolist(),
+            "floor": (1e3 * floors).tolist(), "comm": 1e3 * model.comm.total, "idle_comm": idle}
 
 
 def _two_x_away(split: tuple[int, ...]) -> tuple[int, ...]:
@@ -322,6 +338,14 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
               f"fixed splits: median error {100 * statistics.median(map(error, ddp)):.1f}%, "
               f"worst {100 * max(map(error, ddp)):.1f}% (even split: "
               f"{100 * error('DDP even'):.1f}%)")
+    parts = result["even_parts"]
+    if parts is not None:
+        idle = "none" if parts["idle_comm"] is None else f"{parts['idle_comm']:.1f}"
+        print("its parts at the even split, by rank (ms): compute "
+              + ", ".join(f"{v:.1f}" for v in parts["compute"]) + "; path (compute and the "
+              "all-reduce left) " + ", ".join(f"{v:.1f}" for v in parts["path"])
+              + "; CPU floor " + ", ".join(f"{v:.1f}" for v in parts["floor"])
+              + f"; all-reduce in all, every worker busy {parts['comm']:.1f}, one idle {idle}")
     if any(result["cpu_floors"]):
         print("Cannikin's CPU floors (CPU per step over the worker's cores), and the median "
               "CPU per step at each batch size they rest on (batch: ms):")

@@ -323,7 +323,11 @@ class PlannerConfig:
     trial_share: float = 0.25
     """Only a worker planned at most this fraction of the even share is tried: the trial
     is for a worker whose few samples may cost more than the model knows, and a trial of a
-    busy one would cost the others' balance."""
+    busy one would cost the others' balance. Where a step with an idle worker has an
+    all-reduce of its own (:attr:`idle_route`) and none has been measured yet, the
+    least-loaded worker is tried whatever its share: the model cannot know that step
+    until it is measured (on 100/50/25% quota workers Cannikin held the quarter-core
+    worker at 43 samples, 27% of its even share, 1.23x the best split, which gave it 0)."""
     trial_steps: int = 10
     """Steps a trial lasts (its median step against the last as many of the split before)."""
     trial_gain: float = 0.05
@@ -1078,7 +1082,8 @@ class Planner:
         if cfg.trial_margin <= 0 or not cfg.allow_zero or len(busy) < 2:
             return None
         fewest, rank = min(busy)
-        if fewest > cfg.trial_share * plan.total_batch / cfg.world_size:
+        unseen = cfg.idle_route and not self.idle_comm_fitter.num_samples
+        if not unseen and fewest > cfg.trial_share * plan.total_batch / cfg.world_size:
             return None
         if step - self._last_trial.get(rank, -cfg.trial_every) < cfg.trial_every:
             return None
