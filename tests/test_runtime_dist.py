@@ -393,4 +393,7 @@ def test_idle_workers_receive_the_sum_from_the_busy_ones(figures: dict[str, Any]
     assert got["made"] == [[0, 1], [0, 2], [1, 2]]
     # the planner fits the all-reduce of the steps with a worker at 0 apart from the others
     assert got["fitted_apart"] is True
-    assert min(got["comm_samples"]) >= 1, got["comm_samples"]
+    # a pinned split is measured every 4th step, past the first two: steps 4 (a worker
+    # idle), 8 (none) and 12 (idle). The noise scale decides nothing there, so only step 8
+    # took norms; each measured step times its all-reduces all the same
+    assert got["comm_samples"] == [1, 2]

@@ -298,7 +298,7 @@ class HeteroDataParallel(nn.Module):
         self.cpu_cores = own_cpu_limit()  # read once: a worker's quota is set before it starts
         # no norms until a step of the loader asks for them (before attach: plain DDP)
         self.comm = CommState(clock=self.clock, weight=1.0 / self.world_size,
-                              capture_sqnorm=False)
+                              capture_sqnorm=False, times_buckets=False)
         self.ddp.register_comm_hook(self.comm, weighted_allreduce_hook)
         self._cycle = _Cycle()
         self._parts: _Attached | None = None
@@ -552,6 +552,7 @@ class HeteroDataParallel(nn.Module):
         cycle.norms = cycle.measuring and (self.attached.noise_decides
                                            or cycle.step % NORM_STRIDE == 0)
         self.comm.capture_sqnorm = cycle.norms
+        self.comm.times_buckets = cycle.measuring
         self.comm.takes_global = largest_batch_rank(split) == self.rank
         routes = self.attached.idle_routes
         self.comm.route = None if routes is None else routes.route(split)
@@ -921,7 +922,7 @@ class HeteroDataParallel(nn.Module):
         self.ddp.require_backward_grad_sync = True
         self.comm.weight = 1.0 / self.world_size
         self.comm.sqnorm_scale = 1.0
-        self.comm.capture_sqnorm = False
+        self.comm.capture_sqnorm = self.comm.times_buckets = False
         self.comm.unwatch_passes()
         self.comm.rows = None
 
