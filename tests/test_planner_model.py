@@ -192,6 +192,36 @@ def test_probes_cost_little() -> None:
     assert max(costs) <= 1.05 and max(probes) <= 8
 
 
+def _probe_share(run: Run) -> float:
+    """The probes' true extra time (each probe step's over the step before the probe) as
+    a fraction of the run's."""
+    history, quality = run.planner.history, run.quality
+    extra = 0.0
+    for i, record in enumerate(history):
+        if record.reason.startswith("probe"):
+            end = history[i + 1].step if i + 1 < len(history) else len(quality)
+            extra += sum(quality[s] - quality[record.step - 1] for s in range(record.step, end))
+    return extra / sum(quality)
+
+
+def test_probes_keep_to_their_budget() -> None:
+    """``probe_budget``: a probe waits until its predicted extra time is that share of the
+    time since the one before. Measured against the truth, 0.19-0.59% of the run with a
+    budget of 0.5% (the model's error makes up the rest), and 0.51-1.8% with none."""
+    kept, free = [], []
+    for seed in SEEDS:
+        for cluster in (truth(), quota_truth()):
+            for budget, shares in ((0.005, kept), (1.0, free)):
+                run = drive(seed, 1000, cluster=cluster, config=PlannerConfig(
+                    world_size=3, init_batch=B, probe_budget=budget))
+                shares.append(_probe_share(run))
+    print(f"probes' share of the run, budget 0.5%: {[f'{c:.2%}' for c in kept]}; none: "
+          f"{[f'{c:.2%}' for c in free]}")
+    assert max(kept) <= 1.25 * 0.005 and np.mean(kept) < 0.5 * np.mean(free)
+    with pytest.raises(ValueError, match="probe_budget must be > 0, got 0"):
+        PlannerConfig(world_size=3, init_batch=B, probe_budget=0)
+
+
 def test_no_probes_when_disabled_and_the_same_plans_on_every_rank() -> None:
     off = drive(0, 300, config=PlannerConfig(world_size=3, init_batch=B, probe_error=None))
     assert not any(r.reason.startswith("probe") for r in off.planner.history)
@@ -281,8 +311,9 @@ def test_the_all_reduce_with_a_worker_at_0_is_fitted_apart() -> None:
     faster than one where the slowest worker is busy. Fitted apart (``idle_route``), the
     model itself prefers 0 for that worker once it has seen such a step, where one model of
     both all-reduces leaves it to the trials (each kept ``trial_every`` steps): after step
-    100 the worker is at 0 in 82-95% of the plans (62-89% with one model), and the mean
-    step is 1.099 of the optimum (1.110)."""
+    100 the worker is at 0 in 85-90% of the plans (82-86% with one model; 62-89% before
+    probes had a budget, whose steps moved it off 0), and the mean step is 1.093 of the
+    optimum (1.096)."""
     share: dict[bool, list[float]] = {True: [], False: []}
     quality: dict[bool, list[float]] = {True: [], False: []}
     for route in (True, False):
@@ -297,7 +328,7 @@ def test_the_all_reduce_with_a_worker_at_0_is_fitted_apart() -> None:
           f"{[f'{z:.2f}' for z in share[True]]}, not {[f'{z:.2f}' for z in share[False]]}; "
           f"mean step / optimum {np.mean(quality[True]):.3f} against "
           f"{np.mean(quality[False]):.3f}")
-    assert min(share[True]) >= 0.8 and min(share[False]) < 0.8
+    assert min(share[True]) >= 0.8 and np.mean(share[True]) > np.mean(share[False])
     assert np.mean(quality[True]) < np.mean(quality[False])
 
 

@@ -309,6 +309,12 @@ class PlannerConfig:
     100/50/25% workers the model predicted the even split 13x too slow. None: no probes."""
     probe_every: int = 100
     """Steps from one probe to the next, at least (a probe's steps are slower)."""
+    probe_budget: float = 0.02
+    """A probe waits until its predicted extra time (its steps' over the held plan's) is
+    at most this fraction of the predicted time since the probe before it (or the start).
+    On 100/50/25% CPU-quota workers a probe of the quarter-core worker at its even share
+    doubled the step for 5 steps every 100-140 steps: 4-5% of the run, and the gap between
+    Cannikin and plain DDP at its split in the benchmarks that caught one."""
     probe_snap: float = 0.1
     """A probe goes to a batch size measured before when one is within this fraction of its
     target, so that repeated probes fill one batch size's measurements (and then stop)."""
@@ -453,6 +459,8 @@ class PlannerConfig:
             raise ValueError(f"hold_sigmas must be finite and >= 0, got {self.hold_sigmas}")
         if self.probe_error is not None and not self.probe_error > 0:
             raise ValueError(f"probe_error must be > 0 or None, got {self.probe_error}")
+        if not self.probe_budget > 0:
+            raise ValueError(f"probe_budget must be > 0, got {self.probe_budget}")
         if not (self.trial_margin >= 0 and 0 <= self.trial_gain < 1
                 and 0 < self.trial_share <= 1):
             raise ValueError(f"trial_margin ({self.trial_margin}) must be >= 0, trial_gain "
@@ -999,7 +1007,8 @@ class Planner:
     # -- internals -------------------------------------------------------------------------------
     def _probe(self, step: int, cluster: ClusterModel, plan: Plan) -> tuple[str, Plan] | None:
         """A probe of the least-known worker instead of the held ``plan`` (``probe_error``),
-        or None: not due, every fit known well enough, or no probe that adds a measurement."""
+        or None: not due, every fit known well enough, no probe that adds a measurement, or
+        none within its budget (``probe_budget``)."""
         cfg = self.config
         if cfg.probe_error is None or (self._last_probe is not None
                                        and step - self._last_probe < cfg.probe_every):
@@ -1027,6 +1036,8 @@ class Planner:
             if target == b or fitter.level_count(target) >= fitter.level_samples:
                 continue  # nothing to add: the probe's batch size is measured in full
             candidates.append((-error, rank, target))
+        held = cluster.expected_step_time(list(plan.local_batches))
+        since = step - (self._last_probe or 0)
         for _, rank, target in sorted(candidates):
             fixed = [dataclasses.replace(nd, min_batch=target, max_batch=target) if i == rank
                      else nd for i, nd in enumerate(cluster.nodes)]
@@ -1036,6 +1047,9 @@ class Planner:
                                       plan.total_batch)
             except ValueError:
                 continue  # the others cannot take the rest
+            extra = cluster.expected_step_time(list(probe.local_batches)) - held
+            if extra * cfg.replan_every > cfg.probe_budget * held * since:
+                continue  # it would cost more than its share of the time so far
             self._last_probe = step
             self._before_probe = (self.current.local_batches, self._interval)
             return f"probe worker {rank} at local batch {target}", probe
