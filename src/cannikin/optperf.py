@@ -473,6 +473,7 @@ def _dropping_the_least(cluster: ClusterModel, total_batch: int, expected: bool,
             return cluster.expected_step_time(list(candidate.local_batches))
         return candidate.step_time
 
+    current = time_of(plan)
     while True:
         busy = [i for i, b in enumerate(plan.local_batches) if b > 0]
         if len(busy) < 2:
@@ -483,9 +484,10 @@ def _dropping_the_least(cluster: ClusterModel, total_batch: int, expected: bool,
             candidate = split_without(cluster, total_batch, idle)
         except ValueError:  # the others cannot hold the batch
             return plan
-        if not time_of(candidate) < time_of(plan):
+        faster = time_of(candidate)
+        if not faster < current:
             return plan
-        plan = candidate
+        plan, current = candidate, faster
 
 
 def split_without(cluster: ClusterModel, total_batch: int, idle: Collection[int]) -> Plan:
