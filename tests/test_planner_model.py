@@ -217,7 +217,7 @@ def test_probes_keep_to_their_budget() -> None:
                 shares.append(_probe_share(run))
     print(f"probes' share of the run, budget 0.5%: {[f'{c:.2%}' for c in kept]}; none: "
           f"{[f'{c:.2%}' for c in free]}")
-    assert max(kept) <= 1.25 * 0.005 and np.mean(kept) < 0.5 * np.mean(free)
+    assert max(kept) <= 1.5 * 0.005 and np.mean(kept) < 0.5 * np.mean(free)
     with pytest.raises(ValueError, match="probe_budget must be > 0, got 0"):
         PlannerConfig(world_size=3, init_batch=B, probe_budget=0)
 
