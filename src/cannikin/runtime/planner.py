@@ -1036,6 +1036,8 @@ class Planner:
             if target == b or fitter.level_count(target) >= fitter.level_samples:
                 continue  # nothing to add: the probe's batch size is measured in full
             candidates.append((-error, rank, target))
+        if not candidates:  # every fit known: no expected step to weigh a probe against
+            return None
         held = cluster.expected_step_time(list(plan.local_batches))
         since = step - (self._last_probe or 0)
         for _, rank, target in sorted(candidates):
