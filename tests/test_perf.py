@@ -583,6 +583,47 @@ def test_a_worker_at_0_samples_rests_on_its_idle_floor() -> None:
         NodeModel(fwd=(0.01, 0.001), bwd=(0.02, 0.002), cpu_idle=0.1)
 
 
+def test_a_worker_at_0_samples_takes_its_idle_times() -> None:
+    """Reference: at 0 samples a worker's path is ``max_j(fwd + rho_j*bwd + R_j)`` of its
+    ``idle_times``, its lines' elsewhere, in one direct formula; its noise is relative to
+    that compute (a Monte Carlo of 400 000 steps)."""
+    comm = CommModel(buckets=[(0.3, 0.05), (1.0, 0.01)])
+    idle = [None, (0.001, 0.004), (0.002, 0.001)]
+    nodes = [NodeModel(fwd=(0.01 * k, 0.001 * k), bwd=(0.02 * k, 0.002 * k), noise=0.25,
+                       idle_times=times) for k, times in zip((1.0, 2.0, 3.0), idle, strict=True)]
+    cluster = ClusterModel(nodes=nodes, comm=comm)
+
+    def reference(split: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        paths, computes = [], []
+        for node, times, b in zip(nodes, idle, split, strict=True):
+            fwd, bwd = times if b == 0 and times is not None else (
+                node.fwd[0] + node.fwd[1] * b, node.bwd[0] + node.bwd[1] * b)
+            lines = [fwd + r * bwd + left
+                     for (r, _), left in zip(comm.buckets, comm.remaining, strict=True)]
+            j = int(np.argmax(lines))
+            paths.append(lines[j])
+            computes.append(lines[j] - float(comm.remaining[j]))
+        return np.array(paths), np.array(computes)
+
+    for split in ([40, 8, 0], [40, 0, 0], [0, 0, 0], [40, 8, 1]):
+        np.testing.assert_allclose(cluster.node_times(split), reference(split)[0], rtol=1e-12)
+    batches = np.array([[40, 40], [0, 8], [0, 1]])  # several splits at once: the same
+    np.testing.assert_allclose(cluster.node_times(batches)[:, 0], reference([40, 0, 0])[0])
+    np.testing.assert_allclose(cluster.node_times(batches)[:, 1], reference([40, 8, 1])[0])
+    assert nodes[1].forward_time(0) + nodes[1].backward_time(0) == pytest.approx(0.005)
+    assert nodes[0].forward_time(0) == 0.01  # no idle times: the line's intercept
+    rng = np.random.default_rng(5)
+    split = [4, 3, 0]
+    path, compute = reference(split)
+    draws = (path + compute * 0.25 * rng.standard_normal((400_000, 3))).max(axis=1)
+    se = float(draws.std()) / math.sqrt(draws.size)
+    assert abs(cluster.expected_step_time(split) - float(draws.mean())) < 4 * se
+    with pytest.raises(ValueError, match=r"idle_times=\(-0.1, 0.0\) must have fwd >= 0"):
+        NodeModel(fwd=(0.01, 0.001), bwd=(0.02, 0.002), idle_times=(-0.1, 0.0))
+    with pytest.raises(ValueError, match=r"idle_times must be \(fwd, bwd\)"):
+        NodeModel(fwd=(0.01, 0.001), bwd=(0.02, 0.002), idle_times=(0.1,))  # type: ignore[arg-type]
+
+
 def test_fitted_noise_is_the_relative_timing_noise() -> None:
     rng = np.random.default_rng(2)
     fitter = NodeFitter()
@@ -632,17 +673,17 @@ def test_a_speed_change_forgets_the_anchors() -> None:
     assert model.forward_time(2) + model.backward_time(2) == pytest.approx(2 * 0.0506, rel=0.01)
 
 
-def test_a_change_seen_at_0_samples_only_keeps_the_anchors() -> None:
-    """An idle worker's time at 0 samples is its fixed cost (on a quota worker mostly
-    throttle waits, which come and go): a shift there says nothing of the time per
-    sample, and the remembered batch size still anchors the slope."""
+def test_a_change_seen_at_0_samples_is_followed_there_and_keeps_the_line() -> None:
+    """An idle worker's time at 0 samples (on a quota worker mostly throttle waits, which
+    come and go) is kept apart from its lines: a shift there is followed, and says
+    nothing of the time per sample."""
     fitter = NodeFitter()
     for b in [160] * 5 + [0] * 64:
         fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b, remember=b == 160)
     for _ in range(20):
         fitter.add(0, 1.5 * 0.02, 1.5 * 0.03)  # its fixed time 1.5x
     model = fitter.fit()
-    assert model is not None and fitter.num_samples < 64  # the older samples are gone
+    assert model is not None and fitter.num_samples == 5  # the window holds the busy steps
     assert fitter.batch_sizes() == [0.0, 160.0]
     assert model.forward_time(0) + model.backward_time(0) == pytest.approx(0.075, rel=0.01)
     assert model.forward_time(160) + model.backward_time(160) == pytest.approx(0.098, rel=0.01)

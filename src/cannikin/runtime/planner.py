@@ -810,7 +810,7 @@ class Planner:
             self._plan_stalls.append(stall)
         measured = _median([t.step_s + t.plan_s for t in timings])
         for rank, (fitter, t) in enumerate(zip(self.fitters, timings, strict=True)):
-            # a worker's step at 0 samples is its fixed cost, measured: the line's intercept
+            # a step at 0 samples is measured too: the fitter keeps it apart (idle_times)
             fitter.add(t.timed, t.fwd_s, t.bwd_s, remember=self._remember[0])
             if self.config.cpu_floor and t.cpu_s > 0 and t.cpu_cores > 0:
                 self.cpu_fitters[rank].add(t.batch, t.cpu_s, remember=self._remember[0])
