@@ -673,6 +673,25 @@ def test_a_speed_change_forgets_the_anchors() -> None:
     assert model.forward_time(2) + model.backward_time(2) == pytest.approx(2 * 0.0506, rel=0.01)
 
 
+def test_steps_at_0_samples_are_the_idle_times_not_a_point_of_the_line() -> None:
+    fitter = NodeFitter()
+    for b in (40, 80, 40, 80):
+        fitter.add(b, 0.02 + 0.0001 * b, 0.03 + 0.0002 * b)
+    for fwd in (0.001, 0.003):
+        fitter.add(0, fwd, 0.002)
+    assert fitter.idle_times() is None and fitter.num_samples == 4  # 2 < anchor_min_samples
+    fitter.add(0, 0.002, 0.004)
+    assert fitter.idle_times() == (0.002, 0.002) and fitter.num_samples == 4
+    model = fitter.fit()
+    assert model is not None and model.idle_times == (0.002, 0.002)
+    assert model.fwd == pytest.approx((0.02, 0.0001)) and model.bwd == pytest.approx((0.03, 0.0002))
+    assert model.forward_time(0) + model.backward_time(0) == pytest.approx(0.004)
+    with pytest.raises(ValueError, match="anchor_min_samples=3 exceeds idle_samples=2"):
+        NodeFitter(idle_samples=2)
+    with pytest.raises(ValueError, match="idle_samples=0 must be an integer >= 1"):
+        NodeFitter(idle_samples=0)
+
+
 def test_a_change_seen_at_0_samples_is_followed_there_and_keeps_the_line() -> None:
     """An idle worker's time at 0 samples (on a quota worker mostly throttle waits, which
     come and go) is kept apart from its lines: a shift there is followed, and says
@@ -684,7 +703,7 @@ def test_a_change_seen_at_0_samples_is_followed_there_and_keeps_the_line() -> No
         fitter.add(0, 1.5 * 0.02, 1.5 * 0.03)  # its fixed time 1.5x
     model = fitter.fit()
     assert model is not None and fitter.num_samples == 5  # the window holds the busy steps
-    assert fitter.batch_sizes() == [0.0, 160.0]
+    assert fitter.batch_sizes() == [160.0] and model.idle_times == fitter.idle_times()
     assert model.forward_time(0) + model.backward_time(0) == pytest.approx(0.075, rel=0.01)
     assert model.forward_time(160) + model.backward_time(160) == pytest.approx(0.098, rel=0.01)
 

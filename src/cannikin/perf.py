@@ -851,11 +851,10 @@ class NodeFitter:
         return self._ring[:, self._start:self._start + self._count].T.copy()
 
     def batch_sizes(self) -> list[float]:
-        """The distinct batch sizes the next fit rests on (the window's, the anchors', and
-        0 where :meth:`idle_times` are measured)."""
+        """The distinct batch sizes the next fit's lines rest on (the window's and the
+        anchors'; 0 samples is :meth:`idle_times`)."""
         held = set(self.samples()[:, 0].tolist())
-        idle = {0.0} if self.idle_times() is not None else set()
-        return sorted(held | set(self._anchors(held)[:, 0].tolist()) | idle)
+        return sorted(held | set(self._anchors(held)[:, 0].tolist()))
 
     def idle_times(self) -> tuple[float, float] | None:
         """Median forward and backward seconds of the latest steps at 0 samples (None
