@@ -589,9 +589,7 @@ class ClusterArrays:
         """Each worker's path (its time without the CPU floor) at its local batch, shape
         (n,), the compute in it (the communication left after its binding bucket is not),
         and the rows and ``x`` the batches fall on (:meth:`rows_of`)."""
-        row, x = self.rows_of(local_batches)
-        lines = self._at_idle_times(local_batches,
-                                    self.offsets[row] + self.slopes[row] * x[:, None])
+        lines, row, x = self._lines(local_batches)
         paths = lines if self.floor_rows is None else lines[:, :-1]
         binding = np.argmax(paths, axis=1)
         path: FloatArray = paths[np.arange(binding.size), binding]
@@ -600,25 +598,27 @@ class ClusterArrays:
 
     def worker_times(self, local_batches: FloatArray) -> FloatArray:
         """Each worker's time at its local batch; (n,) or (n, T) as the batches."""
-        row, x = self.rows_of(local_batches)
-        lines = self._at_idle_times(local_batches,
-                                    self.offsets[row] + self.slopes[row] * x[..., None])
+        lines = self._lines(local_batches)[0]
         if self.idle_floor is not None:
             lines[..., -1] = self._at_idle(local_batches, lines[..., -1])
         times: FloatArray = np.max(lines, axis=-1)
         return times
 
-    def _at_idle_times(self, local_batches: FloatArray, lines: FloatArray) -> FloatArray:
-        """``lines`` (every column at the batches' rows) with the bucket columns of each
-        worker at 0 samples that has :attr:`idle_offsets` put on them."""
+    def _lines(self, local_batches: FloatArray) -> tuple[
+        FloatArray, npt.NDArray[np.intp], FloatArray
+    ]:
+        """Every column's value at the batches' rows (the bucket columns of a worker at 0
+        samples from its :attr:`idle_offsets`), and the rows and ``x`` (:meth:`rows_of`)."""
+        row, x = self.rows_of(local_batches)
+        lines: FloatArray = self.offsets[row] + self.slopes[row] * x[..., None]
         if self.idle_offsets is None:
-            return lines
+            return lines, row, x
         extra = (1,) * (local_batches.ndim - 1)
         idle = self.idle_offsets.reshape((self.idle_offsets.shape[0], *extra, -1))
         buckets = idle.shape[-1]
         at_zero = (local_batches == 0)[..., None] & np.isfinite(idle)
         lines[..., :buckets] = np.where(at_zero, idle, lines[..., :buckets])
-        return lines
+        return lines, row, x
 
     def floors(self, local_batches: FloatArray, row: npt.NDArray[np.intp],
                x: FloatArray) -> FloatArray:
@@ -666,10 +666,13 @@ class ClusterArrays:
         binding = cluster.comm.binding()
         rho = cluster.comm.ready_fractions[binding]
         remaining = cluster.comm.remaining[binding]
-        offsets = remaining[None, :] + f0[:, None] + rho[None, :] * k0[:, None]
-        idle_offsets = None
-        if np.any(np.isfinite(idle_fwd)):
-            idle_offsets = remaining[None, :] + idle_fwd[:, None] + rho[None, :] * idle_bwd[:, None]
+
+        def at_buckets(fwd: FloatArray, bwd: FloatArray) -> FloatArray:
+            """Each worker's time at each binding bucket, R_j + fwd + rho_j*bwd: (n, m')."""
+            return remaining[None, :] + fwd[:, None] + rho[None, :] * bwd[:, None]
+
+        offsets = at_buckets(f0, k0)
+        idle_offsets = at_buckets(idle_fwd, idle_bwd) if np.any(np.isfinite(idle_fwd)) else None
         slopes = f1[:, None] + rho[None, :] * k1[:, None]
         passes = rows.astype(np.intp)
         owner = np.repeat(np.arange(len(nodes)), passes)
