@@ -86,8 +86,11 @@ def test_a_target_run_stops_each_phase_at_the_target(tmp_path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_on_the_teacher_task_the_goodput_batch_grows(tmp_path: Path) -> None:
     """``--task teacher``: the noise scale grows as the student trains, and Cannikin's batch
-    with it (on this cluster it first grew at steps 19-34 in five runs)."""
-    args = parse(["--task", "teacher", "--adaptive-batch", "--steps", "80",
+    with it. Beside a process that kept a core busy it first grew at steps 50-79 (six runs
+    of 120 steps; 11 of 12 runs of 80 steps grew before their end), once the cautious
+    noise scale had passed 320-370, where a larger batch's predicted goodput first beat
+    the current one's by 5%."""
+    args = parse(["--task", "teacher", "--adaptive-batch", "--steps", "120",
                   "--json", str(tmp_path / "t.json"), "--out", str(tmp_path / "out"),
                   "--no-progress", "--timeout", "120"])
     code = args.func(args)
@@ -99,4 +102,4 @@ def test_on_the_teacher_task_the_goodput_batch_grows(tmp_path: Path) -> None:
     batches = [p["total_batch"] for p in plans]
     assert batches[0] == 64 and max(batches) >= 96, batches
     assert report["even"]["mean_batch"] == 64
-    assert report["even"]["samples"] == 80 * 64 <= report["cannikin"]["samples"]
+    assert report["even"]["samples"] == 120 * 64 <= report["cannikin"]["samples"]

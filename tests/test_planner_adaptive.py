@@ -9,6 +9,7 @@ from that truth, one step late (as the runtime gives them). The best batch is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -30,8 +31,13 @@ def drive(config: PlannerConfig, phi: float, steps: int, seed: int,
           fall: tuple[int, float] | None = None) -> list[int]:
     """The total batch of every step; ``fall=(step, k)``: from that step on |G|^2 is k
     times smaller (the noise scale k times larger, tr(Sigma) the same)."""
+    return run(Planner(config, log_plans=False), phi, steps, seed, fall)
+
+
+def run(planner: Planner, phi: float, steps: int, seed: int,
+        fall: tuple[int, float] | None = None) -> list[int]:
+    """:func:`drive` with a planner of one's own, to read its history after."""
     rng = np.random.default_rng(seed)
-    planner = Planner(config, log_plans=False)
     grad = np.zeros(DIM)
     grad[0] = 1.0
     previous: list[StepReport | None] = [None] * CLUSTER.size
@@ -103,6 +109,36 @@ def test_the_batch_grows_when_the_gradient_falls(seed: int) -> None:
     assert totals[140] <= 2 * best(60.0).total_batch
     assert goodput(totals[-1], 3000.0) >= 0.9 * after.goodput
     assert max(totals) <= 2 * after.total_batch
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_moved_noise_scale_replans_before_the_held_cadence(seed: int) -> None:
+    # |G|^2 falls 50x at step 200, when the plan has held at the longest interval (40
+    # steps): the batch follows from the re-plan the noise scale asks for, sooner than
+    # from the cadence alone (8-12 steps sooner, seeds 0-5), with no more re-plans before
+    config = PlannerConfig(world_size=4, init_batch=B0, max_batch=B_MAX)
+    grown = {}
+    for moved in (0.1, None):
+        planner = Planner(dataclasses.replace(config, gns_replan=moved), log_plans=False)
+        totals = run(planner, 60.0, 320, seed, fall=(200, 50.0))
+        grown[moved] = next(t for t in range(200, 320) if totals[t] > 1.5 * totals[199])
+        steps = [r.step for r in planner.history[1:]]
+        assert min(np.diff(steps)) >= config.replan_every, steps
+        before = [r for r in planner.history if 60 <= r.step < 200]
+        assert not any(r.reason.startswith("noise") for r in before), before
+        if moved is None:
+            assert not any(r.reason.startswith("noise") for r in planner.history)
+        else:
+            first = next(r for r in planner.history if r.reason.startswith("noise"))
+            assert first.step < 200 + config.max_replan_every and "->" in first.reason
+            assert any(r.total_batch > totals[199] for r in planner.history
+                       if r.reason.startswith("noise"))
+    assert grown[0.1] < grown[None], grown
+
+
+def test_a_noise_scale_move_of_0_is_refused() -> None:
+    with pytest.raises(ValueError, match="gns_replan must be None or > 0, got 0.0"):
+        PlannerConfig(world_size=4, init_batch=B0, max_batch=B_MAX, gns_replan=0.0)
 
 
 def test_adaptdl_chooses_on_the_even_split_curve() -> None:

@@ -300,6 +300,15 @@ class PlannerConfig:
     its standard errors (:attr:`~cannikin.gns.NoiseScaleTracker.grad_sqr_error`), so it
     grows as the evidence does. Early in a run far above B a |G|^2 estimated at 0.19
     (true 1) sent the batch to its maximum."""
+    gns_replan: float | None = 0.1
+    """With the total batch chosen by goodput (:attr:`max_batch`), a re-plan comes before
+    its turn once the cautious noise scale has moved by more than this fraction (either
+    way) from the one the batch was chosen with; no sooner than :attr:`replan_every` steps
+    (and the re-plans' own budget, :attr:`plan_budget`) after the last, and not during a
+    probe or a trial. A plan that holds is re-checked only every :attr:`max_replan_every`
+    steps, which the noise scale does not wait for: with |G|^2 falling 50x while a plan
+    held, the batch grew 8-12 steps sooner (``tests/test_planner_adaptive.py``), with no
+    more re-plans while the noise scale stayed. None: the cadence alone."""
     probe_error: float | None = 0.15
     """Once a plan holds, a worker whose measurements pin its time per sample down only to
     worse than this relative standard error (:meth:`NodeFitter.slope_error`) is planned a
@@ -478,6 +487,8 @@ class PlannerConfig:
         if not (0 <= self.plan_hold < 1 and 0 < self.oom_cap_factor < 1):
             raise ValueError(f"plan_hold ({self.plan_hold}) and oom_cap_factor "
                              f"({self.oom_cap_factor}) must be in [0, 1) and (0, 1)")
+        if self.gns_replan is not None and not self.gns_replan > 0:
+            raise ValueError(f"gns_replan must be None or > 0, got {self.gns_replan}")
         if self.plan_budget is not None and not 0 < self.plan_budget < 1:
             raise ValueError(f"plan_budget must be None or in (0, 1), got {self.plan_budget}")
         for name in ("measure_stride", "drift_steps", "drift_noise_history"):
@@ -595,6 +606,12 @@ class Planner:
     _drift_ratios: list[list[float]] = field(default_factory=list, init=False)
     _drift_history: list[list[float]] = field(default_factory=list, init=False)
     _drifted: int | None = field(default=None, init=False)  # a worker off its model
+    _chosen_noise: float | None = field(default=None, init=False)
+    """The cautious noise scale at the last re-plan (None: none yet)."""
+    _noise_moved: str | None = field(default=None, init=False)
+    """Why the noise scale asks for a re-plan (:attr:`PlannerConfig.gns_replan`), or None."""
+    _earliest_replan: int = field(default=0, init=False)
+    """The first step after which a re-plan for the noise scale may come."""
     _prediction: tuple[ClusterModel, tuple[int, ...], float] | None = field(
         default=None, init=False)  # the last predicted() of the model in force, reused
     _costly_said: set[int] = field(default_factory=set, init=False)  # logged once each
@@ -717,7 +734,10 @@ class Planner:
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
-        return not self.pinned and (step >= self._next_replan or self._drifted is not None)
+        if self.pinned:
+            return False
+        return (step >= self._next_replan or self._drifted is not None
+                or (self._noise_moved is not None and step >= self._earliest_replan))
 
     def pin(self, step: int, split: Sequence[int] | npt.NDArray[np.integer] | None) -> None:
         """Hold ``split`` from step ``step`` on, with no re-plan, probe or trial, until
@@ -767,6 +787,7 @@ class Planner:
             sane = all(math.isfinite(v) and v >= 0 for v in sqnorms)
             if len(batches) >= 2 and previous_global_sqnorm is not None and sane:
                 self.noise.update(sqnorms, batches, previous_global_sqnorm)
+                self._check_noise()
             if step - 1 >= self.config.skip_steps:
                 self._observe_timing(done)
         if self._window_ends:  # the last step of the previous plan is in: close its window
@@ -826,6 +847,21 @@ class Planner:
                 if self._pending_chosen:
                     self.chosen_tracker.record(self._pending + stall, measured)
 
+    def _check_noise(self) -> None:
+        """Flag a re-plan once the cautious noise scale, on which the total batch is chosen,
+        has moved by :attr:`PlannerConfig.gns_replan` since the last re-plan."""
+        cfg = self.config
+        if (cfg.max_batch is None or cfg.gns_replan is None or self.cluster_model is None
+                or self._trial is not None or self._before_probe is not None):
+            return
+        now, chosen = self.noise.cautious_noise_scale(cfg.gns_sigmas), self._chosen_noise
+        if now is None or (chosen is not None
+                           and abs(math.log(now / chosen)) <= math.log1p(cfg.gns_replan)):
+            self._noise_moved = None
+        else:
+            self._noise_moved = ("noise scale first estimated" if chosen is None
+                                 else f"noise scale moved {chosen:.4g} -> {now:.4g}")
+
     def _check_drift(self, timings: Sequence[StepReport]) -> None:
         """Flag a worker whose measured compute has left its model for several steps, so
         a speed change is followed without waiting for the (backed-off) cadence."""
@@ -883,11 +919,14 @@ class Planner:
             self.pinned = False
         if self._drifted is not None and reason == "cadence":
             reason = f"worker {self._drifted} drifted from its model"
-        self._drifted, self._drift_ratios = None, []
+        elif self._noise_moved is not None and reason == "cadence" and step < self._next_replan:
+            reason = self._noise_moved
+        self._drifted, self._drift_ratios, self._noise_moved = None, [], None
         cluster = self._fit()
         cfg = self.config
         total = self._fitting_total(self.current.total_batch)
         noise = self.noise.noise_scale()
+        self._chosen_noise = self.noise.cautious_noise_scale(cfg.gns_sigmas)
         if cluster is None:
             record = self._record(step, reason, self._even(total), None, noise=noise)
         else:
@@ -899,8 +938,7 @@ class Planner:
                 # a fixed cost, and the even split's goodput would never favour a larger B
                 total = min(2 * total, cfg.max_batch)
                 reason = f"explore total batch {total}"
-            elif cfg.max_batch is not None and (
-                    cautious := self.noise.cautious_noise_scale(cfg.gns_sigmas)) is not None:
+            elif cfg.max_batch is not None and (cautious := self._chosen_noise) is not None:
                 choose = choose_even_batch_size if cfg.split == "adaptdl" else choose_batch_size
                 choice = choose(cluster, cautious, cfg.init_batch, cfg.max_batch, current=total)
                 total = choice.total_batch
@@ -944,6 +982,7 @@ class Planner:
         if not record.exploring:
             self._interval = max(self._interval, self._affordable_interval(record))
         self._next_replan = step + self._interval
+        self._earliest_replan = step + max(cfg.replan_every, self._affordable_interval(record))
         changed = (record.local_batches != self.current.local_batches
                    or record.total_batch != self.current.total_batch)
         self.current = record
