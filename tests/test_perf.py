@@ -857,6 +857,32 @@ def test_the_cpu_floor_is_the_chord_under_a_concave_cpu_curve() -> None:
     assert fitter.idle() == pytest.approx(float(np.median(idle[-fitter.level_samples:])))
 
 
+def test_batch_sizes_close_together_make_no_cpu_floor() -> None:
+    """A bench_real run: the half-core worker's warm-up at 160 samples and its plan's 159,
+    medians 20.4 and 19.2 ms, made a chord of 1.2 ms per sample. Two sizes within a factor
+    of 2 make none; with its CPU at 0 samples the chord runs from there (reference: the
+    line through the two medians), and sizes a factor of 2 apart make one."""
+    fitter = CpuFitter()
+    for value in (0.0204, 0.0199, 0.0215):
+        fitter.add(160, value, remember=True)
+    for step in range(30):
+        fitter.add(159, 0.0192 * (1.0 + 0.01 * (step % 3 - 1)))
+    assert sorted(fitter.level_medians()) == [159, 160]
+    assert fitter.floor_line() is None
+    for step in range(5):
+        fitter.add(0, 0.0058 + 0.0001 * step)
+    medians = fitter.level_medians()
+    c0, c1 = fitter.floor_line() or (math.nan, math.nan)
+    assert c0 == pytest.approx(medians[0], rel=1e-12)
+    assert c0 + 160 * c1 == pytest.approx(medians[160], rel=1e-12)
+    assert c1 < 0.0001
+    apart = CpuFitter()
+    for batch, value in ((80, 0.012), (160, 0.020)):
+        for _ in range(3):
+            apart.add(batch, value)
+    assert apart.floor_line() == pytest.approx((0.004, 0.0001), rel=1e-9)
+
+
 def test_a_few_early_steps_reading_high_do_not_lift_the_cpu_floor() -> None:
     """Reference: scikit-learn's weighted isotonic regression of the level medians. The
     warm-up's 3 steps at 160 samples read above the later 9 at 162 and 177 (as in a run of

@@ -1186,10 +1186,12 @@ class CpuFitter:
 
     0 samples is a point of its own (no forward, no backward): always remembered, and the
     chord runs over the busy sizes where they span a factor of 2 or more, 0 being
-    :meth:`idle` apart. Through 0 the chord starts low and rises steeply, and under-predicts
-    every small batch; without 0 it starts too high, and the planner saw no gain in giving
-    the quarter-core worker of ``bench_real`` 0 samples over a few (Cannikin's own CPU per
-    step there: 11.5-11.9 ms at 0 samples, 13.2-13.5 at 16-19, in two runs).
+    :meth:`idle` apart, and from 0 where they do not (sizes closer than that, 0 not among
+    them, make no floor: :meth:`floor_line`). Through 0 the chord starts low and rises
+    steeply, and under-predicts every small batch; without 0 it starts too high, and the
+    planner saw no gain in giving the quarter-core worker of ``bench_real`` 0 samples over
+    a few (Cannikin's own CPU per step there: 11.5-11.9 ms at 0 samples, 13.2-13.5 at
+    16-19, in two runs).
     """
 
     window: int = 64
@@ -1257,11 +1259,16 @@ class CpuFitter:
 
     def floor_line(self) -> tuple[float, float] | None:
         """``(c0, c1)``: CPU seconds at 0 samples and per sample along the chord; None
-        before two batch sizes are measured enough."""
+        before two batch sizes a factor of 2 apart (or 0 and another) are measured enough.
+
+        Closer ends make a chord of noise: on the half-core worker of a ``bench_real`` run,
+        medians of 19.2 ms at 159 samples and 20.4 at 160 made one of 1.2 ms of CPU per
+        sample (0.09 from 0 to 160); the model then predicted Cannikin's split 8.6x slower
+        than it ran and planned that worker 0 samples."""
         fitted = self._floor_levels()
         busy = [b for b in fitted if b > 0]
         ends = busy if len(busy) >= 2 and max(busy) >= 2 * min(busy) else list(fitted)
-        if len(ends) < 2:
+        if len(ends) < 2 or max(ends) < 2 * min(ends):
             return None
         lo, hi = min(ends), max(ends)
         slope = max((fitted[hi] - fitted[lo]) / (hi - lo), 0.0)
