@@ -979,10 +979,11 @@ class Planner:
             self._interval = cfg.replan_every
         elif reason == "cadence":
             self._interval = min(2 * self._interval, cfg.max_replan_every)
+        affordable = self._affordable_interval(record)
         if not record.exploring:
-            self._interval = max(self._interval, self._affordable_interval(record))
+            self._interval = max(self._interval, affordable)
         self._next_replan = step + self._interval
-        self._earliest_replan = step + max(cfg.replan_every, self._affordable_interval(record))
+        self._earliest_replan = step + max(cfg.replan_every, affordable)
         changed = (record.local_batches != self.current.local_batches
                    or record.total_batch != self.current.total_batch)
         self.current = record
