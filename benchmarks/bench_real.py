@@ -78,32 +78,43 @@ SWEEP = [(TOTAL - mid - slow, mid, slow) for slow in (0, 30, 60) for mid in (90,
 """Fixed splits (fastest, middle, slowest): the slowest gets 0 to 60 samples."""
 
 
+def digits() -> tuple[Any, Any]:
+    """The first 3 B digits (full batches only, see the docstring): inputs and labels."""
+    import torch
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x_all = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y_all = torch.tensor(data.target, dtype=torch.int64)
+    return x_all[: 3 * TOTAL], y_all[: 3 * TOTAL]
+
+
+def mlp() -> Any:
+    """The MLP 64-WIDTH-WIDTH-10, the same initial weights on every rank and call."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
+                         nn.ReLU(), nn.Linear(WIDTH, 10))
+
+
 def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from sklearn.datasets import load_digits
-    from torch import nn
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import TensorDataset
 
     from cannikin.runtime import HeteroDataLoader, HeteroDataParallel, init_distributed
     from cannikin.runtime.quota import join_from_env
 
-    digits = load_digits()
-    x_all = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y_all = torch.tensor(digits.target, dtype=torch.int64)
-    x_all, y_all = x_all[: 3 * TOTAL], y_all[: 3 * TOTAL]  # full batches only (docstring)
+    x_all, y_all = digits()
     rank = int(os.environ["RANK"])
     share = join_from_env(rank)  # after the imports: a 25% worker imports torch 4x slower
     torch.set_num_threads(1)
     ctx = init_distributed("gloo")
     world = ctx.world_size
-
-    def mlp() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
-                             nn.ReLU(), nn.Linear(WIDTH, 10))
 
     # -- the workers' real speeds: the same compute on every rank at once ---------------------
     alone = mlp()
@@ -425,32 +436,41 @@ def main() -> int:
     if args.worker is not None:
         _worker(args.worker, args.rounds, args.block_steps, args.warmup_steps)
         return 0
+    load_before = _loadavg()
+    start = time.monotonic()
+    result = launch_on_quotas(Path(__file__), ["--rounds", str(args.rounds), "--block-steps",
+                                               str(args.block_steps), "--warmup-steps",
+                                               str(args.warmup_steps)])
+    if isinstance(result, int):
+        return result
+    _report(result, time.monotonic() - start, load_before, _loadavg())
+    return 0
+
+
+def launch_on_quotas(script: Path, args: list[str]) -> dict[str, Any] | int:
+    """Run ``script --worker OUT *args`` as one gloo worker per :data:`SHARES` entry, each
+    in its CPU quota: what the workers wrote to OUT, or the exit code (2: no writable
+    cgroups, with the one line that names the fallback; 1: the workers failed)."""
     try:
         groups = QuotaGroups.create(SHARES)
     except QuotaUnavailable as err:
-        print(f"bench_real: {err}; benchmarks/bench_runtime.py measures emulated speeds",
+        print(f"{script.stem}: {err}; benchmarks/bench_runtime.py measures emulated speeds",
               file=sys.stderr)
         return 2
-    load_before = _loadavg()
     with tempfile.TemporaryDirectory() as tmp, groups:
         out = Path(tmp) / "bench.json"
         env = {**os.environ, **groups.env(), "PYTHONPATH": str(ROOT / "src"),
                "OMP_NUM_THREADS": "1"}
         env.pop("CANNIKIN_SLOWDOWN", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={len(SHARES)}", __file__, "--worker", str(out), "--rounds",
-               str(args.rounds), "--block-steps", str(args.block_steps), "--warmup-steps",
-               str(args.warmup_steps)]
-        start = time.monotonic()
+               f"--nproc-per-node={len(SHARES)}", str(script), "--worker", str(out), *args]
         proc = subprocess.run(cmd, env=env, timeout=600, capture_output=True, text=True)
-        wall_s = time.monotonic() - start
         if proc.returncode != 0:
-            print(f"bench_real: workers failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}",
-                  file=sys.stderr)
+            print(f"{script.stem}: workers failed (exit {proc.returncode}):\n"
+                  f"{proc.stderr[-4000:]}", file=sys.stderr)
             return 1
-        result = json.loads(out.read_text())
-    _report(result, wall_s, load_before, _loadavg())
-    return 0
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
 
 
 if __name__ == "__main__":

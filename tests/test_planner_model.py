@@ -19,6 +19,7 @@ import pytest
 
 from cannikin.optperf import even_split, optimal_split, split_without, zero_split
 from cannikin.perf import ClusterModel, CommModel, NodeModel
+from cannikin.runtime.decision import Decision
 from cannikin.runtime.planner import Planner, PlannerConfig, StepReport, WorkerReport
 
 COMM = CommModel(buckets=[(0.4, 0.004), (1.0, 0.006)])
@@ -50,11 +51,13 @@ class Run:
 def drive(seed: int, steps: int, config: PlannerConfig | None = None,
           cluster: ClusterModel | None = None, total: int = B,
           extra: Callable[[Sequence[int]], float] | None = None,
-          pins: Sequence[tuple[int, Sequence[int] | None]] = ()) -> Run:
+          pins: Sequence[tuple[int, Sequence[int] | None]] = (),
+          share: Callable[[Callable[[], Decision]], Decision] | None = None) -> Run:
     """``extra(split)``: seconds the truth adds to the last all-reduce of a step with
     ``split`` (the model cannot express it: its all-reduce is the same for every split).
     ``pins``: (step, split) pinned from that step on, or released with None
-    (:meth:`Planner.pin`)."""
+    (:meth:`Planner.pin`). ``share``: how each re-plan's decision is made
+    (:meth:`Planner.replan`)."""
     cluster = cluster or truth()
     n = cluster.size
     planner = Planner(config or PlannerConfig(world_size=n, init_batch=total), log_plans=False)
@@ -92,7 +95,7 @@ def drive(seed: int, steps: int, config: PlannerConfig | None = None,
         if not planner.measures(step):  # the runtime sends nothing of an unmeasured step
             previous, previous_global = [None] * n, None
         if planner.due(step):
-            planner.replan(step)
+            planner.replan(step, share=share)
     return run
 
 
@@ -462,3 +465,49 @@ def test_cpu_floors_predict_the_even_split_and_one_2x_away_on_quota_workers() ->
           f"{[f'{e:+.1%}' for e in errors[True]]}, without {[f'{e:+.1%}' for e in errors[False]]}")
     assert max(abs(e) for e in errors[True]) <= 0.10
     assert max(abs(e) for e in errors[False][::2]) > 0.10  # the even splits
+
+
+def _sent_as_a_vector(decide: Callable[[], Decision]) -> Decision:
+    """What a rank that does not decide gets: the decider's choice, through its vector."""
+    return Decision.from_vector(decide().to_vector())
+
+
+_DECISION_STATE = ("_interval", "_next_replan", "_earliest_replan", "_idle_until",
+                   "_last_trial", "_trial", "_last_probe", "_before_probe", "_chosen_noise")
+
+
+@pytest.mark.parametrize("case", ["probes and zeros", "trials"])
+def test_a_decision_sent_as_a_vector_plans_as_deciding_alone(case: str) -> None:
+    # one rank decides and the others adopt its vector: step by step the same plans, and
+    # the same state behind them, as a planner that decides for itself
+    kwargs: dict[str, object] = ({} if case == "probes and zeros" else dict(
+        cluster=SATURATED, total=SATURATED_B, extra=_slowest_busy,
+        config=PlannerConfig(world_size=3, init_batch=SATURATED_B)))
+    for seed in range(2):
+        alone = drive(seed, 400, **kwargs).planner  # type: ignore[arg-type]
+        shared = drive(seed, 400, share=_sent_as_a_vector, **kwargs).planner  # type: ignore[arg-type]
+        assert shared.history == alone.history
+        assert all(getattr(shared, key) == getattr(alone, key) for key in _DECISION_STATE)
+    reasons = {r.reason.split()[0] for r in alone.history}
+    assert ("probe" if case == "probes and zeros" else "try") in reasons, reasons
+    if case == "probes and zeros":
+        assert any(r.costly for r in alone.history)
+
+
+def test_a_rank_that_does_not_decide_adopts_what_it_is_sent() -> None:
+    planner = drive(0, 40).planner  # past the warm-up, with a model
+    decided: list[int] = []
+
+    def sent(decide: Callable[[], Decision]) -> Decision:
+        decided.append(1)
+        return Decision(local_batches=(300, 300, 80), predicted_s=0.5, kind="probe", rank=2,
+                        target=80, idle_until={1: 90})
+
+    record = planner.replan(40, share=sent)
+    assert decided == [1]  # asked once, and it never ran the decision itself
+    assert (record.local_batches, record.reason, record.predicted_step_s) == (
+        (300, 300, 80), "probe worker 2 at local batch 80", 0.5)
+    assert planner._last_probe == 40 and planner._idle_until == {1: 90}
+    assert planner._before_probe is not None
+    with pytest.raises(RuntimeError, match=r"step 41: the re-plan failed on rank 0"):
+        planner.replan(41, share=lambda decide: Decision.failed(3))

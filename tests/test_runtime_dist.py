@@ -23,7 +23,8 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "exchange", "oom_retry", "oom_retry_batchnorm", "oom_backward", "train_hetero",
           "eval_between_steps", "adam_noise_reset", "noise_stride", "amp", "ddp_habits",
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
-          "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route"]
+          "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
+          "one_rank_decides"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -397,3 +398,17 @@ def test_idle_workers_receive_the_sum_from_the_busy_ones(figures: dict[str, Any]
     # idle), 8 (none) and 12 (idle). The noise scale decides nothing there, so only step 8
     # took norms; each measured step times its all-reduces all the same
     assert got["comm_samples"] == [1, 2]
+
+
+def test_one_rank_chooses_each_replan_and_every_rank_adopts_it(figures: dict[str, Any]) -> None:
+    got = figures["one_rank_decides"]
+    decided = got["decided"]
+    # each re-plan chosen once, by the rank every rank took for the decider
+    assert sorted(step for chosen in decided for step, _ in chosen) == got["replans"]
+    assert all(decider == rank for rank, chosen in enumerate(decided) for _, decider in chosen)
+    # rank 0 until the cores are known (the warm-up's re-plan), then the last rank: 2 cores
+    assert [step for step, _ in decided[0]] == got["replans"][:1]
+    assert decided[1] == [] and len(decided[2]) == len(got["replans"]) - 1 >= 4
+    first, *others = got["histories"]
+    assert all(history == first for history in others)  # every rank ran the same plans
+    assert any(split != [32, 32, 32] for _, _, split, _, _ in first)  # it planned for speed

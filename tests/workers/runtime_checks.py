@@ -439,8 +439,8 @@ def check_replan_not_measured() -> dict[str, Any]:
     planner = model.planner
     replan = planner.replan
 
-    def slow_replan(step: int, reason: str = "cadence") -> Any:
-        record = replan(step, reason)
+    def slow_replan(step: int, reason: str = "cadence", **kwargs: Any) -> Any:
+        record = replan(step, reason, **kwargs)
         busy = time.process_time() + 0.3
         while time.process_time() < busy:
             pass
@@ -456,6 +456,47 @@ def check_replan_not_measured() -> dict[str, Any]:
     return {"plans": [r.step for r in planner.history], "warmup": planner.config.warmup_steps,
             "stall_s": planner.plan_stall_s,
             **{key: [r[key] for r in sink.rows] for key in ("step_time_s", "cpu_s", "fwd_s")}}
+
+
+def check_one_rank_decides() -> dict[str, Any]:
+    """The last rank reports the most CPU cores: once the exchange has told every rank so,
+    it alone chooses each re-plan (the others fit, receive its choice and adopt it), on
+    emulated speeds 4, 2, 1; every rank's plans come out the same. Each rank's list of
+    the re-plans it chose: (step, the decider as it saw it)."""
+    os.environ["CANNIKIN_SLOWDOWN"] = "4,2,1"
+    data = _blobs(4000)
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(data, batch_size=96, seed=2)
+    model = HeteroDataParallel(net, opt, loader, replan_every=3, warmup_steps=3,
+                               slowdown_profile=(0.002, 0.0002))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model.cpu_cores = 2.0 if rank == world - 1 else 1.0
+    planner = model.planner
+    decide = planner._decide
+    decided = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        decided.append([args[0], planner.decider])
+        return decide(*args, **kwargs)
+
+    planner._decide = counted  # type: ignore[method-assign]
+    for step, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step == 40:
+            break
+    model.remove_hooks()
+    del os.environ["CANNIKIN_SLOWDOWN"]
+    mine = [[r.step, r.reason, list(r.local_batches), r.predicted_step_s,
+             [[w.rank, w.step_time] for w in r.costly]] for r in planner.history]
+    histories: list[Any] = [None] * world
+    dist.all_gather_object(histories, mine)
+    counts: list[Any] = [None] * world
+    dist.all_gather_object(counts, decided)
+    return {"decided": counts, "histories": histories,
+            "replans": [r.step for r in planner.history[1:]]}
 
 
 def _noise_updates(model: HeteroDataParallel, opt: torch.optim.Optimizer,

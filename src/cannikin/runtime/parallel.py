@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from cannikin.optperf import Plan
 from cannikin.perf import ClusterModel, PredictionTracker
 from cannikin.runtime.comm import CommState, finish_failed_backward, weighted_allreduce_hook
+from cannikin.runtime.decision import Decision
 from cannikin.runtime.loader import HeteroDataLoader
 from cannikin.runtime.planner import (
     REPORT_SIZE,
@@ -882,10 +883,34 @@ class HeteroDataParallel(nn.Module):
         """Re-plan after this step, and start the next step's measured period after it
         (:attr:`_Cycle.measure_from`)."""
         start = time.perf_counter()
-        self.planner.replan(self._cycle.step, reason)
+        self.planner.replan(self._cycle.step, reason, share=self._share_decision)
         cycle = self._cycle
         cycle.plan_s = time.perf_counter() - start
         cycle.measure_from, cycle.prev_cpu = self.clock.mark(), time.process_time()
+
+    def _share_decision(self, decide: Callable[[], Decision]) -> Decision:
+        """Run ``decide`` on the rank that decides for all (:attr:`Planner.decider`, the
+        most CPU) and broadcast its choice: the others wait for the fastest rank's choice
+        instead of each making its own at its own speed. A choice that raises is sent as
+        ``failed``, so the others raise too instead of waiting for a broadcast."""
+        decider = self.planner.decider
+        if self.world_size == 1:
+            return decide()
+        if self.rank == decider:
+            try:
+                decision = decide()
+            except Exception:
+                self._broadcast_decision(Decision.failed(self.world_size).to_vector(), decider)
+                raise
+            vector = decision.to_vector()
+        else:
+            vector = np.zeros(Decision.size(self.world_size))
+        return Decision.from_vector(self._broadcast_decision(vector, decider))
+
+    def _broadcast_decision(self, vector: np.ndarray, source: int) -> np.ndarray:
+        sent = torch.from_numpy(vector).to(self.device)
+        dist.broadcast(sent, src=source)
+        return sent.cpu().numpy()
 
     def _skip_step_after_oom(self, reports: Sequence[WorkerReport]) -> None:
         for rank, r in enumerate(reports):

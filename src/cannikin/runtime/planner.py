@@ -3,9 +3,11 @@
 Pure numpy on top of :mod:`cannikin.perf`, :mod:`cannikin.optperf`,
 :mod:`cannikin.goodput` and :mod:`cannikin.gns`; no torch, so it is tested in one
 process. Every rank owns a :class:`Planner` and feeds it the *same* all-gathered
-:class:`WorkerReport` of every rank each step, so every rank computes the same plan
-deterministically (DESIGN.md §5); the runtime checks that the local batches each
-rank reports are the ones every rank planned.
+:class:`WorkerReport` of every rank each step, so every rank fits the same models
+(DESIGN.md §5); at a re-plan one rank (:attr:`Planner.decider`, the most CPU) chooses
+the split and the runtime broadcasts its :class:`~cannikin.runtime.decision.Decision`,
+which every rank adopts. The runtime checks that the local batches each rank reports are
+the ones every rank planned.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +48,7 @@ from cannikin.perf import (
     micro_batches,
 )
 from cannikin.rowfit import large_shift, lasting_shift
+from cannikin.runtime.decision import Decision
 
 logger = logging.getLogger(__name__)
 
@@ -910,8 +913,14 @@ class Planner:
         fitter.add(rising, comm)
 
     # -- deciding --------------------------------------------------------------------------------
-    def replan(self, step: int, reason: str = "cadence") -> PlanRecord:
-        """Refit the cluster and choose the split (and total batch) from the next step on."""
+    def replan(self, step: int, reason: str = "cadence",
+               share: Callable[[Callable[[], Decision]], Decision] | None = None) -> PlanRecord:
+        """Refit the cluster and choose the split (and total batch) from the next step on.
+
+        Every rank fits alike; ``share`` runs the choice on one rank (:attr:`decider`) and
+        hands the :class:`Decision` to all (the runtime's broadcast), so the slowest rank
+        waits for the fastest's choice instead of making its own; without it this rank
+        chooses for itself. Either way every rank adopts the same decision."""
         self._window_ends = True  # once this step's timing arrives
         if self.pinned:  # only an out-of-memory re-plans a pinned split: it no longer fits
             logger.warning("step %d: the pinned split %s is released (%s)", step,
@@ -923,51 +932,90 @@ class Planner:
             reason = self._noise_moved
         self._drifted, self._drift_ratios, self._noise_moved = None, [], None
         cluster = self._fit()
-        cfg = self.config
         total = self._fitting_total(self.current.total_batch)
-        noise = self.noise.noise_scale()
-        self._chosen_noise = self.noise.cautious_noise_scale(cfg.gns_sigmas)
-        if cluster is None:
-            record = self._record(step, reason, self._even(total), None, noise=noise)
-        else:
+        self._chosen_noise = self.noise.cautious_noise_scale(self.config.gns_sigmas)
+        if cluster is not None:
             self.cluster_model = cluster
-            if cfg.split == "adaptdl" and cfg.max_batch is not None and (
-                    total < cfg.max_batch and any(len(f.batch_sizes()) < 2
-                                                  for f in self.fitters)):
-                # every worker measured at one batch size: the fit is proportional, without
-                # a fixed cost, and the even split's goodput would never favour a larger B
-                total = min(2 * total, cfg.max_batch)
-                reason = f"explore total batch {total}"
-            elif cfg.max_batch is not None and (cautious := self._chosen_noise) is not None:
-                choose = choose_even_batch_size if cfg.split == "adaptdl" else choose_batch_size
-                choice = choose(cluster, cautious, cfg.init_batch, cfg.max_batch, current=total)
-                total = choice.total_batch
-                plan = choice.plan
-            elif cfg.split == "optimal":
-                plan = optimal_split(cluster, total)
-            if cfg.split == "optimal":
-                plan = self._held(cluster, self._idle(step, cluster, plan))
-                if plan.local_batches == self.current.local_batches:
-                    tried = self._try_zero(step, cluster, plan)
-                    if tried is None:
-                        tried = self._probe(step, cluster, plan)
-                    if tried is not None:
-                        reason, plan = tried
-            if cfg.split in ("even", "adaptdl"):
-                even = self._even(total)
-                plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
-            record = self._record(step, reason, plan.local_batches,
-                                  cluster.expected_step_time(list(plan.local_batches)),
-                                  cluster=cluster, noise=noise,
-                                  costly=costly_workers(cluster, plan, cfg.costly_speedup))
+
+        def decide() -> Decision:
+            return self._decide(step, cluster, total)
+
+        decision = decide() if share is None else share(decide)
+        if decision.kind == "failed":
+            raise RuntimeError(f"step {step}: the re-plan failed on rank {self.decider}, which "
+                               f"decides for every rank (its log says why)")
+        return self._adopt(step, reason, cluster, decision)
+
+    @property
+    def decider(self) -> int:
+        """The rank that chooses each re-plan's split for all (:meth:`replan`'s ``share``):
+        the most CPU cores reported (:attr:`cpu_cores`), ties to the lowest rank; the same
+        on every rank, since the cores come with the exchange."""
+        return max(range(self.config.world_size), key=lambda r: (self.cpu_cores[r], -r))
+
+    def _decide(self, step: int, cluster: ClusterModel | None, total: int) -> Decision:
+        """The split (and total batch) from step ``step + 1`` on, without changing any state."""
+        cfg = self.config
+        if cluster is None:
+            return Decision(local_batches=self._even(total), predicted_s=None,
+                            idle_until=dict(self._idle_until))
+        kind, probed, target = "plan", -1, 0
+        idle_until = dict(self._idle_until)
+        if cfg.split == "adaptdl" and cfg.max_batch is not None and (
+                total < cfg.max_batch and any(len(f.batch_sizes()) < 2 for f in self.fitters)):
+            # every worker measured at one batch size: the fit is proportional, without a
+            # fixed cost, and the even split's goodput would never favour a larger B
+            total = min(2 * total, cfg.max_batch)
+            kind = "explore"
+        elif cfg.max_batch is not None and (cautious := self._chosen_noise) is not None:
+            choose = choose_even_batch_size if cfg.split == "adaptdl" else choose_batch_size
+            choice = choose(cluster, cautious, cfg.init_batch, cfg.max_batch, current=total)
+            total = choice.total_batch
+            plan = choice.plan
+        elif cfg.split == "optimal":
+            plan = optimal_split(cluster, total)
+        if cfg.split == "optimal":
+            plan, idle_until = self._idle(step, cluster, plan)
+            plan = self._held(cluster, plan)
+            if plan.local_batches == self.current.local_batches:
+                tried = self._try_zero(step, cluster, plan, idle_until)
+                if tried is not None:
+                    kind, (probed, plan) = "try", tried
+                elif (probe := self._probe(step, cluster, plan)) is not None:
+                    kind, (probed, target, plan) = "probe", probe
+        else:
+            even = self._even(total)
+            plan = Plan(local_batches=even, step_time=float(cluster.step_time(list(even))))
+        return Decision(local_batches=plan.local_batches,
+                        predicted_s=cluster.expected_step_time(list(plan.local_batches)),
+                        kind=kind, rank=probed, target=target, idle_until=idle_until,
+                        costly=costly_workers(cluster, plan, cfg.costly_speedup))
+
+    def _adopt(self, step: int, reason: str, cluster: ClusterModel | None,
+               decision: Decision) -> PlanRecord:
+        """Make ``decision`` the plan in force and set the cadence that follows it."""
+        cfg = self.config
+        previous = self.current
+        if cluster is not None and cfg.split == "optimal":
+            self._trial = None  # the trial that ended was closed in the decision
+        self._idle_until = dict(decision.idle_until)
+        if decision.kind == "try":
+            self._last_trial[decision.rank] = step
+            self._trial = (decision.rank, decision.local_batches, previous.local_batches)
+        if decision.kind == "probe":
+            self._last_probe = step
+        if decision.kind in ("try", "probe"):
+            self._before_probe = (previous.local_batches, self._interval)
+        record = self._record(step, decision.reason(reason), decision.local_batches,
+                              decision.predicted_s, cluster=cluster,
+                              noise=self.noise.noise_scale(), costly=decision.costly)
         # a plan that holds is re-checked less and less often (planning costs CPU every
         # step it runs); any change brings the cadence back to replan_every, and a re-plan
         # out of turn (a drift) that changes nothing leaves the cadence as it was
-        unchanged = (record.local_batches == self.current.local_batches
-                     and cluster is not None)
-        if record.reason.startswith("probe"):
+        unchanged = (record.local_batches == previous.local_batches and cluster is not None)
+        if decision.kind == "probe":
             self._interval = cfg.replan_every  # a probe lasts one short interval
-        elif record.reason.startswith("try"):
+        elif decision.kind == "try":
             self._interval = cfg.trial_steps
         elif self._before_probe is not None:
             split, interval = self._before_probe
@@ -977,15 +1025,15 @@ class Planner:
             self._interval = interval if split == record.local_batches else cfg.replan_every
         elif not unchanged:
             self._interval = cfg.replan_every
-        elif reason == "cadence":
+        elif record.reason == "cadence":
             self._interval = min(2 * self._interval, cfg.max_replan_every)
         affordable = self._affordable_interval(record)
         if not record.exploring:
             self._interval = max(self._interval, affordable)
         self._next_replan = step + self._interval
         self._earliest_replan = step + max(cfg.replan_every, affordable)
-        changed = (record.local_batches != self.current.local_batches
-                   or record.total_batch != self.current.total_batch)
+        changed = (record.local_batches != previous.local_batches
+                   or record.total_batch != previous.total_batch)
         self.current = record
         if self.log_plans:
             self._log(record, cluster, changed)
@@ -1045,10 +1093,12 @@ class Planner:
         return cap
 
     # -- internals -------------------------------------------------------------------------------
-    def _probe(self, step: int, cluster: ClusterModel, plan: Plan) -> tuple[str, Plan] | None:
-        """A probe of the least-known worker instead of the held ``plan`` (``probe_error``),
-        or None: not due, every fit known well enough, no probe that adds a measurement, or
-        none within its budget (``probe_budget``)."""
+    def _probe(self, step: int, cluster: ClusterModel,
+               plan: Plan) -> tuple[int, int, Plan] | None:
+        """A probe of the least-known worker instead of the held ``plan`` (``probe_error``):
+        (its rank, its local batch, the probe's split); or None: not due, every fit known
+        well enough, no probe that adds a measurement, or none within its budget
+        (``probe_budget``)."""
         cfg = self.config
         if cfg.probe_error is None or (self._last_probe is not None
                                        and step - self._last_probe < cfg.probe_every):
@@ -1092,47 +1142,49 @@ class Planner:
             extra = cluster.expected_step_time(list(probe.local_batches)) - held
             if extra * cfg.replan_every > cfg.probe_budget * held * since:
                 continue  # it would cost more than its share of the time so far
-            self._last_probe = step
-            self._before_probe = (self.current.local_batches, self._interval)
-            return f"probe worker {rank} at local batch {target}", probe
+            return rank, target, probe
         return None
 
-    def _idle(self, step: int, cluster: ClusterModel, plan: Plan) -> Plan:
+    def _idle(self, step: int, cluster: ClusterModel,
+              plan: Plan) -> tuple[Plan, dict[int, int]]:
         """``plan`` with the workers a trial showed faster at 0 (:attr:`PlannerConfig.
-        trial_margin`) kept there, after closing the trial that just ended; else
-        :meth:`_with_zeros`."""
-        if self._trial is not None:
-            self._close_trial(step)
-        self._idle_until = {r: end for r, end in self._idle_until.items() if end > step}
-        if self._idle_until:
+        trial_margin`) kept there, counting the trial that just ended; else
+        :meth:`_with_zeros`. With the workers kept at 0 from now on."""
+        idle_until = {r: end for r, end in self._idle_until.items() if end > step}
+        if self._trial is not None and (kept := self._trial_kept(step)) is not None:
+            idle_until[self._trial[0]] = kept
+        if idle_until:
             try:
-                return split_without(cluster, plan.total_batch, self._idle_until)
+                return split_without(cluster, plan.total_batch, idle_until), idle_until
             except ValueError:
-                self._idle_until = {}  # the others cannot hold the batch (a cap came down)
-        return self._with_zeros(cluster, plan)
+                idle_until = {}  # the others cannot hold the batch (a cap came down)
+        return self._with_zeros(cluster, plan), idle_until
 
-    def _close_trial(self, step: int) -> None:
-        """Compare the trial's measured steps with the split before it; keep the tried
-        worker at 0 if the trial was faster by more than ``trial_gain``."""
+    def _trial_kept(self, step: int) -> int | None:
+        """Compare the ending trial's measured steps with the split before it: the step
+        until which the tried worker stays at 0 if the trial was faster by more than
+        ``trial_gain``, else None."""
         assert self._trial is not None
         rank, tried, before = self._trial
-        self._trial = None
         cfg = self.config
         during = [s for split, s in self._measured if split == tried]
         earlier = [s for split, s in self._measured if split == before][-cfg.trial_steps:]
         if len(during) < 3 or len(earlier) < 3:
-            return
+            return None
         with_zero, without = _median(during), _median(earlier)
-        if with_zero < (1.0 - cfg.trial_gain) * without:
-            self._idle_until[rank] = step + cfg.trial_every
-            logger.info("worker %d at 0 samples: measured %.1f ms per step against %.1f ms "
-                        "at %s; it stays at 0 for %d steps", rank, with_zero * 1e3,
-                        without * 1e3, list(before), cfg.trial_every)
+        if with_zero >= (1.0 - cfg.trial_gain) * without:
+            return None
+        logger.info("worker %d at 0 samples: measured %.1f ms per step against %.1f ms at %s; "
+                    "it stays at 0 for %d steps", rank, with_zero * 1e3, without * 1e3,
+                    list(before), cfg.trial_every)
+        return step + cfg.trial_every
 
-    def _try_zero(self, step: int, cluster: ClusterModel, plan: Plan) -> tuple[str, Plan] | None:
-        """A trial of the held ``plan``'s least-loaded worker at 0 samples, or None: the
-        model predicts it too slow, the worker was tried lately, or the held split has too
-        few measured steps to compare with."""
+    def _try_zero(self, step: int, cluster: ClusterModel, plan: Plan,
+                  idle_until: dict[int, int]) -> tuple[int, Plan] | None:
+        """A trial of the held ``plan``'s least-loaded worker at 0 samples (its rank and the
+        trial's split; ``idle_until`` stay at 0 too), or None: the model predicts it too
+        slow, the worker was tried lately, or the held split has too few measured steps to
+        compare with."""
         cfg = self.config
         busy = [(b, r) for r, b in enumerate(plan.local_batches) if b > 0]
         if cfg.trial_margin <= 0 or not cfg.allow_zero or len(busy) < 2:
@@ -1146,16 +1198,13 @@ class Planner:
         if sum(split == plan.local_batches for split, _ in self._measured) < 3:
             return None
         try:
-            trial = split_without(cluster, plan.total_batch, {rank, *self._idle_until})
+            trial = split_without(cluster, plan.total_batch, {rank, *idle_until})
         except ValueError:
             return None
         if cluster.expected_step_time(list(trial.local_batches)) > (
                 1.0 + cfg.trial_margin) * cluster.expected_step_time(list(plan.local_batches)):
             return None
-        self._last_trial[rank] = step
-        self._trial = (rank, trial.local_batches, plan.local_batches)
-        self._before_probe = (self.current.local_batches, self._interval)
-        return f"try worker {rank} at 0 samples", trial
+        return rank, trial
 
     def _with_zeros(self, cluster: ClusterModel, plan: Plan) -> Plan:
         """``plan``, or a faster one where some workers get 0 samples (``allow_zero``):
