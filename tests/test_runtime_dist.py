@@ -408,7 +408,7 @@ def test_one_rank_chooses_each_replan_and_every_rank_adopts_it(figures: dict[str
     assert all(decider == rank for rank, chosen in enumerate(decided) for _, decider in chosen)
     # rank 0 until the cores are known (the warm-up's re-plan), then the last rank: 2 cores
     assert [step for step, _ in decided[0]] == got["replans"][:1]
-    assert decided[1] == [] and len(decided[2]) == len(got["replans"]) - 1 >= 4
+    assert decided[1] == [] and len(decided[2]) == len(got["replans"]) - 1 >= 3
     first, *others = got["histories"]
     assert all(history == first for history in others)  # every rank ran the same plans
     assert any(split != [32, 32, 32] for _, _, split, _, _ in first)  # it planned for speed
