@@ -3,7 +3,7 @@
 Every rank fits the same models from the same exchanged reports, but choosing the split
 (the optimal split, the held-split check, the zero-sample and probe choices, the costly
 workers) took a quarter-core worker 30-40 ms a re-plan where a full core takes ~7 ms, and
-every rank waits for the slowest. So one rank decides (:meth:`Planner.decider`) and the
+every rank waits for the slowest. So one rank decides (:attr:`Planner.decider`) and the
 others adopt its :class:`Decision`; pure numpy, no torch.
 """
 
