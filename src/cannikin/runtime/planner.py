@@ -387,10 +387,11 @@ class PlannerConfig:
     comes no sooner than its measured time (the slowest rank's :attr:`StepReport.plan_s`,
     the median of the last few) over this share of the predicted step, up to half of
     :attr:`max_replan_every` (a plan is held, and measured every :attr:`measure_stride`-th
-    step, only once it held at the longest interval). A re-plan costs every rank the same
-    few ms of CPU, and a worker held to a fraction of a core pays it stretched: 20 ms of
-    wall time on a quarter of a core, against steps of ~45 ms, every 5 steps at first.
-    Probes and trials keep their own lengths. None: the cadence alone."""
+    step, only once it held at the longest interval). A re-plan's fit costs every rank a
+    few ms of CPU, its choice the deciding rank (:attr:`Planner.decider`) ~6 ms more, and
+    every rank waits for both: 17-19 ms on quota workers 1/0.5/0.25 against steps of
+    ~50 ms (31-61 ms when every rank chose for itself). Probes and trials keep their own
+    lengths. None: the cadence alone."""
     measure_stride: int = 4
     """Once a plan has held until the re-plan cadence reached its longest interval, only
     every measure_stride-th step is measured (timings and gradient norms, DESIGN.md §5);
