@@ -24,7 +24,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "eval_between_steps", "adam_noise_reset", "noise_stride", "amp", "ddp_habits",
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
-          "one_rank_decides"]
+          "one_rank_decides", "decider_fails"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -412,3 +412,14 @@ def test_one_rank_chooses_each_replan_and_every_rank_adopts_it(figures: dict[str
     first, *others = got["histories"]
     assert all(history == first for history in others)  # every rank ran the same plans
     assert any(split != [32, 32, 32] for _, _, split, _, _ in first)  # it planned for speed
+
+
+def test_a_choice_that_raises_on_the_deciding_rank_raises_on_every_rank(
+        figures: dict[str, Any]) -> None:
+    got = figures["decider_fails"]  # rank 0's view: it decides (equal cores, lowest rank)
+    assert got["decider"] == 0
+    assert got["raised"] == "ValueError: no split fits"
+    # the others raised at the same step, told by the broadcast instead of waiting on it
+    assert got["others"] == ["RuntimeError: step 3: the re-plan failed on rank 0, which "
+                             "decides for every rank (its log says why)"] * 2
+    assert got["steps"] == 3

@@ -500,6 +500,43 @@ def check_one_rank_decides() -> dict[str, Any]:
             "replans": [r.step for r in planner.history[1:]]}
 
 
+def check_decider_fails() -> dict[str, Any]:
+    """The rank that decides raises in its second re-plan's choice: it sends ``failed``
+    before raising, so the others raise too instead of waiting for its broadcast."""
+    data = _blobs(600)
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(data, batch_size=48, seed=4)
+    model = HeteroDataParallel(net, opt, loader, replan_every=2, warmup_steps=2)
+    model.cpu_cores = 1.0  # every rank alike: rank 0 decides
+    planner = model.planner
+    planner.config.plan_budget = None  # the cadence alone: re-plans after steps 1 and 3
+    decide = planner._decide
+    calls = [0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise ValueError("no split fits")
+        return decide(*args, **kwargs)
+
+    planner._decide = failing  # type: ignore[method-assign]
+    raised, steps = "", 0
+    try:
+        for x, y, _ in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            steps += 1
+    except (ValueError, RuntimeError) as error:
+        raised = f"{type(error).__name__}: {error}"
+    model.remove_hooks()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, raised)
+    return {"raised": raised, "others": gathered[1:], "steps": steps,
+            "decider": planner.decider}
+
+
 def _noise_updates(model: HeteroDataParallel, opt: torch.optim.Optimizer,
                    loader: HeteroDataLoader, steps: int) -> list[int]:
     """The noise scale's count of updates after each of ``steps`` training steps."""
