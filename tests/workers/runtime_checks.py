@@ -494,9 +494,9 @@ def check_one_rank_decides() -> dict[str, Any]:
              [[w.rank, w.step_time] for w in r.costly]] for r in planner.history]
     histories: list[Any] = [None] * world
     dist.all_gather_object(histories, mine)
-    counts: list[Any] = [None] * world
-    dist.all_gather_object(counts, decided)
-    return {"decided": counts, "histories": histories,
+    chosen: list[Any] = [None] * world
+    dist.all_gather_object(chosen, decided)
+    return {"decided": chosen, "histories": histories,
             "replans": [r.step for r in planner.history[1:]]}
 
 

@@ -893,9 +893,9 @@ class HeteroDataParallel(nn.Module):
         most CPU) and broadcast its choice: the others wait for the fastest rank's choice
         instead of each making its own at its own speed. A choice that raises is sent as
         ``failed``, so the others raise too instead of waiting for a broadcast."""
-        decider = self.planner.decider
         if self.world_size == 1:
             return decide()
+        decider = self.planner.decider
         if self.rank == decider:
             try:
                 decision = decide()

@@ -957,11 +957,11 @@ class Planner:
     def _decide(self, step: int, cluster: ClusterModel | None, total: int) -> Decision:
         """The split (and total batch) from step ``step + 1`` on, without changing any state."""
         cfg = self.config
+        idle_until = dict(self._idle_until)
         if cluster is None:
             return Decision(local_batches=self._even(total), predicted_s=None,
-                            idle_until=dict(self._idle_until))
+                            idle_until=idle_until)
         kind, probed, target = "plan", -1, 0
-        idle_until = dict(self._idle_until)
         if cfg.split == "adaptdl" and cfg.max_batch is not None and (
                 total < cfg.max_batch and any(len(f.batch_sizes()) < 2 for f in self.fitters)):
             # every worker measured at one batch size: the fit is proportional, without a
