@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _bench_prediction() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("bench_prediction",
-                                                  BENCHMARKS / "bench_prediction.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_modules import load_benchmark
 
 
 def _ends(durations: list[float]) -> list[float]:
@@ -39,7 +25,7 @@ def test_a_window_is_the_steps_its_plan_held_without_the_replans_two() -> None:
                        [4, "cadence", [300, 180, 0], 0.054, False],
                        [14, "probe", [160, 240, 80], 0.090, True],
                        [24, "cadence", [310, 170, 0], 0.055, False]]}
-    found = _bench_prediction().windows(run)
+    found = load_benchmark("bench_prediction").windows(run)
     assert [w["step"] for w in found] == [4, 14, 24]
     assert [w["kind"] for w in found] == ["chosen", "explore", "chosen"]
     assert [w["steps"] for w in found] == [8, 8, 14]  # steps 6-13, 16-23, 26-39
@@ -55,7 +41,7 @@ def test_a_window_settles_once_a_plan_held_and_is_also_predicted_by_the_last_at_
            "history": [[0, "start", [2, 1], None, False], [4, "cadence", [2, 1], 0.05, False],
                        [20, "probe", [1, 2], 0.05, True], [26, "cadence", [2, 1], 0.05, False],
                        [58, "cadence", [2, 1], 0.05, False]]}
-    found = _bench_prediction().windows(run)
+    found = load_benchmark("bench_prediction").windows(run)
     assert [(w["step"], w["settled"]) for w in found] == [(4, False), (20, True), (26, True)]
     assert [w["persistence"] for w in found[:2]] == [None, None]  # none before; a probe
     assert found[2]["measured_s"] == pytest.approx((2 * 0.050 + 28 * 0.040) / 30)  # 28-57
@@ -66,7 +52,7 @@ def test_the_model_away_from_its_split_is_judged_absolutely_and_relatively() -> 
     pinned = {"its split": {"predicted": 0.050, "blocks": [0.055, 0.050, 0.045]},
               "even": {"predicted": 0.120, "blocks": [0.100, 0.110, 0.090]},
               "2x away": {"predicted": None, "blocks": [0.08]}}
-    errors = _bench_prediction().away_errors(pinned)
+    errors = load_benchmark("bench_prediction").away_errors(pinned)
     assert set(errors) == {"its split", "even"}
     assert errors["its split"] == pytest.approx((0.0, 0.0))
     assert errors["even"] == pytest.approx((0.2, 0.2))
@@ -85,7 +71,7 @@ def test_the_report_prints_the_windows_and_the_model_away_from_its_split(
                       "even": {"split": [1, 1, 1], "predicted": 0.11, "blocks": [0.1],
                                "parts": parts}},
            "cpu_levels": [[[0.0, 0.01], [1.0, 0.02]], [], []]}
-    _bench_prediction()._report([run], steps=60, block_steps=8)
+    load_benchmark("bench_prediction")._report([run], steps=60, block_steps=8)
     out = capsys.readouterr().out
     assert "window error once settled: median |error| 10.0% over 1 windows" in out
     assert "the window before's measured mean 0.0%" in out  # 20 follows 4 at 2/1/0

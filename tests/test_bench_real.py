@@ -2,40 +2,28 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _bench_real() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("bench_real", BENCHMARKS / "bench_real.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_modules import load_benchmark
 
 
 def test_a_ratio_is_taken_within_each_round_so_a_load_shared_by_the_round_cancels() -> None:
     load = [1.0, 1.5, 0.8, 2.0, 1.2]  # the machine's speed, round by round
     blocks = {"Cannikin": [0.0515 * x for x in load], "DDP a": [0.050 * x for x in load],
               "DDP b": [0.060 * x for x in load]}
-    got = _bench_real()._paired_ratio(blocks, "Cannikin", None)  # None: the best, "DDP a"
+    paired_ratio = load_benchmark("bench_real")._paired_ratio
+    got = paired_ratio(blocks, "Cannikin", None)  # None: the best DDP split, "DDP a"
     assert (got.median, got.q1, got.q3, got.low, got.high) == pytest.approx((1.03,) * 5)
 
 
 def test_the_medians_interval_holds_it_and_narrows_with_more_rounds() -> None:
     rng = np.random.default_rng(1)
+    paired_ratio = load_benchmark("bench_real")._paired_ratio
     widths = []
     for rounds in (10, 80):
         ratios = 1.02 * np.exp(rng.normal(0.0, 0.1, rounds))
-        got = _bench_real()._paired_ratio({"a": list(ratios), "b": [1.0] * rounds}, "a", "b")
+        got = paired_ratio({"a": list(ratios), "b": [1.0] * rounds}, "a", "b")
         assert got.low <= got.median <= got.high
         assert min(ratios) <= got.low and got.high <= max(ratios)
         assert got.median == pytest.approx(float(np.median(ratios)))

@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _bench_replan() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("bench_replan", BENCHMARKS / "bench_replan.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_modules import load_benchmark
 
 
 def test_a_replans_cost_is_its_step_and_the_next_over_the_quiet_steps() -> None:
@@ -31,7 +18,7 @@ def test_a_replans_cost_is_its_step_and_the_next_over_the_quiet_steps() -> None:
         durations[step + 1] += next_
     ends = [0.0, *itertools.accumulate(durations[k] for k in range(1, 200))]
     run = {"ends": ends, "replans": [[10, 0.05], [40, 0.012], [100, 0.018]]}
-    got = _bench_replan()._summary(run, skip=30)
+    got = load_benchmark("bench_replan")._summary(run, skip=30)
     assert got["quiet_ms"] == pytest.approx(50.0)
     assert got["replans"] == 2
     assert got["excess_ms"] == pytest.approx(20.0)  # both cost 20 ms over two steps
