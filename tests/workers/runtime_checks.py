@@ -236,6 +236,17 @@ def check_syncbn() -> dict[str, float]:
     return {"out_err": out_err, "stat_err": stat_err, "grad_rel_err": grad_err}
 
 
+def _train_through(model: HeteroDataParallel, opt: torch.optim.Optimizer,
+                   loader: HeteroDataLoader, last: int) -> None:
+    """Train the blobs classifier through step ``last`` (0-based) of ``loader``."""
+    for step, (x, y, _) in enumerate(loader):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if step == last:
+            break
+
+
 def _blobs(n: int, features: int = 16, classes: int = 4) -> torch.utils.data.TensorDataset:
     """A learnable classification set; the third tensor is each sample's index."""
     gen = torch.Generator().manual_seed(7)
@@ -447,12 +458,7 @@ def check_replan_not_measured() -> dict[str, Any]:
         return record
 
     planner.replan = slow_replan  # type: ignore[method-assign]
-    for step, (x, y, _) in enumerate(loader):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        if step == 6:
-            break
+    _train_through(model, opt, loader, 6)
     return {"plans": [r.step for r in planner.history], "warmup": planner.config.warmup_steps,
             "stall_s": planner.plan_stall_s,
             **{key: [r[key] for r in sink.rows] for key in ("step_time_s", "cpu_s", "fwd_s")}}
@@ -482,12 +488,7 @@ def check_one_rank_decides() -> dict[str, Any]:
         return decide(*args, **kwargs)
 
     planner._decide = counted  # type: ignore[method-assign]
-    for step, (x, y, _) in enumerate(loader):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        if step == 60:
-            break
+    _train_through(model, opt, loader, 60)
     model.remove_hooks()
     del os.environ["CANNIKIN_SLOWDOWN"]
     mine = [[r.step, r.reason, list(r.local_batches), r.predicted_step_s,
@@ -1166,12 +1167,7 @@ def check_step_timeout() -> dict[str, Any]:
     loader = HeteroDataLoader(_blobs(600), batch_size=48, seed=4)
     model = HeteroDataParallel(net, opt, loader, split="even")
     startup = model.collective_timeout.startup_s
-    for step, (x, y, _) in enumerate(loader):
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        if step == 11:
-            break
+    _train_through(model, opt, loader, 11)
     model.remove_hooks()
     timeouts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(timeouts, (model.collective_timeout.current_s,
