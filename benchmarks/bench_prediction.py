@@ -13,7 +13,10 @@ fresh model for ``--steps`` steps, then pins three splits in turn.
   first held its plan: the split the issue's "at the optimal split" names, where the
   windows before it are the model's first guesses on its way there. Beside them, the error
   of predicting each window by the last window's own mean at the same split: how far this
-  machine's speed moves between windows, which no model of the split can foresee.
+  machine's speed moves between windows, which no model of the split can foresee; the
+  standard error of each window's own mean, which no prediction of that mean can beat;
+  and the windows after a move of the split apart from those at the split before, with
+  whether the move the model predicted faster ran faster.
 * **The model away from its split.** The model as fitted at the end of the free run
   predicts its own split, the even split and a split 2x away (``bench_real``'s), and the
   three are then pinned in rotated blocks of ``--block-steps`` steps (one untimed step
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -123,11 +127,19 @@ def windows(run: dict[str, Any]) -> list[dict[str, Any]]:
     steps it held (see the module docstring for the steps left out), with ``kind``
     "chosen" or "explore", ``settled`` (the planner had held a plan by its start) and
     ``persistence``: the error of predicting it by the last chosen window's mean at the same
-    split (None: none before it), what the machine's own drift leaves to any model."""
+    split (None: none before it), what the machine's own drift leaves to any model.
+
+    ``noise``: the standard error of the window's own mean over that mean (its steps'
+    spread over the square root of their count), what the window's length leaves to a
+    prediction of its mean. ``moved``: a chosen window whose split is not the last chosen
+    window's (None: the first chosen window, or a probe's or trial's), and ``change`` its
+    measured mean over that window's, less 1 (None where it did not move): whether the
+    move the model predicted faster ran faster."""
     ends, history = run["ends"], run["history"]
     first_held = next((k for k, held in enumerate(run["held"]) if held), None)
     found: list[dict[str, Any]] = []
     last_at: dict[tuple[int, ...], float] = {}  # the last chosen window's mean, by split
+    last_chosen: tuple[tuple[int, ...], float] | None = None  # its split and mean
     for record, following in zip(history, [*history[1:], None], strict=True):
         step, reason, split, predicted, exploring = record
         last = len(ends) if following is None else following[0]  # its re-plan's step
@@ -136,14 +148,19 @@ def windows(run: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         measured = statistics.fmean(timed)
         before = None if exploring else last_at.get(tuple(split))
+        moved = None if exploring or last_chosen is None else last_chosen[0] != tuple(split)
         found.append({"step": step, "reason": reason, "split": split,
                       "kind": "explore" if exploring else "chosen",
                       "settled": first_held is not None and step >= first_held,
                       "steps": len(timed), "predicted_s": predicted, "measured_s": measured,
                       "error": predicted / measured - 1.0,
-                      "persistence": None if before is None else before / measured - 1.0})
+                      "persistence": None if before is None else before / measured - 1.0,
+                      "noise": statistics.stdev(timed) / math.sqrt(len(timed)) / measured,
+                      "moved": moved, "change": (measured / last_chosen[1] - 1.0
+                                                 if moved and last_chosen is not None else None)})
         if not exploring:
             last_at[tuple(split)] = measured
+            last_chosen = tuple(split), measured
     return found
 
 
@@ -211,6 +228,21 @@ def _report(results: list[dict[str, Any]], steps: int, block_steps: int) -> None
                   f"Cannikin {_median_abs(w['error'] for w in paired):.1f}%, the window "
                   f"before's measured mean {_median_abs(w['persistence'] for w in paired):.1f}%"
                   " (median |error|: the machine's drift between windows)")
+        print(f"  a window's own mean is known to "
+              f"{_median_abs(w['noise'] for w in settled_all):.1f}% (median standard error: "
+              "its steps' spread over the root of their count)")
+        stayed = [w for w in settled_all if w["moved"] is False]
+        moved = [w for w in settled_all if w["moved"]]
+        for label, group in (("at the split of the window before", stayed),
+                             ("after a move of the split", moved)):
+            if group:
+                line = (f"  {len(group)} windows {label}: median |error| "
+                        f"{_median_abs(w['error'] for w in group):.1f}%, signed median "
+                        f"{100 * statistics.median(w['error'] for w in group):+.1f}%")
+                if group[0]["moved"]:
+                    line += (f"; measured step against the window before: median "
+                             f"{100 * statistics.median(w['change'] for w in group):+.1f}%")
+                print(line)
     for name, pairs in away_all.items():
         print(f"  the model at {name:9s}: error " + ", ".join(f"{100 * a:+.1f}%" for a, _ in pairs)
               + "; relative " + ", ".join(f"{100 * r:+.1f}%" for _, r in pairs))

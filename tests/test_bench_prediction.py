@@ -48,6 +48,24 @@ def test_a_window_settles_once_a_plan_held_and_is_also_predicted_by_the_last_at_
     assert found[2]["persistence"] == pytest.approx(0.050 / found[2]["measured_s"] - 1)
 
 
+def test_a_window_knows_its_own_noise_and_whether_its_move_ran_faster() -> None:
+    durations = [0.050] * 20 + [0.040, 0.060] * 5 + [0.055] * 20
+    run = {"ends": _ends(durations), "held": [True] * 50,
+           "history": [[0, "start", [2, 1], None, False], [4, "cadence", [2, 1], 0.05, False],
+                       [16, "cadence", [3, 0], 0.05, False], [28, "probe", [1, 2], 0.05, True],
+                       [34, "cadence", [3, 0], 0.05, False]]}
+    found = load_benchmark("bench_prediction").windows(run)
+    assert [(w["step"], w["moved"]) for w in found] == [
+        (4, None), (16, True), (28, None), (34, False)]  # first; 2/1 -> 3/0; a probe; 3/0 again
+    assert found[0]["noise"] == pytest.approx(0.0)  # steps 6-15 all 50 ms
+    timed = [0.050] * 2 + [0.040, 0.060] * 4  # steps 18-27
+    mean = sum(timed) / len(timed)
+    spread = (sum((t - mean) ** 2 for t in timed) / (len(timed) - 1)) ** 0.5
+    assert found[1]["noise"] == pytest.approx(spread / len(timed) ** 0.5 / mean)
+    assert found[1]["change"] == pytest.approx(mean / 0.050 - 1)
+    assert found[3]["change"] is None
+
+
 def test_the_model_away_from_its_split_is_judged_absolutely_and_relatively() -> None:
     pinned = {"its split": {"predicted": 0.050, "blocks": [0.055, 0.050, 0.045]},
               "even": {"predicted": 0.120, "blocks": [0.100, 0.110, 0.090]},
@@ -75,6 +93,9 @@ def test_the_report_prints_the_windows_and_the_model_away_from_its_split(
     out = capsys.readouterr().out
     assert "window error once settled: median |error| 10.0% over 1 windows" in out
     assert "the window before's measured mean 0.0%" in out  # 20 follows 4 at 2/1/0
+    assert "a window's own mean is known to 0.0%" in out
+    assert "1 windows at the split of the window before: median |error| 10.0%" in out
+    assert "after a move" not in out
     assert "error +10.0%, relative to its split +10.0%" in out
     assert "path 40.0, 45.0, 50.0; CPU floor 20.0, 30.0, 55.0" in out
     assert "rank 0 0: 10.0, 1: 20.0" in out
