@@ -46,7 +46,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_real import LR, SHARES, TOTAL, digits, launch_on_quotas, mlp, model_parts, two_x_away  # noqa: E402
+from bench_real import (  # noqa: E402
+    LR,
+    SHARES,
+    TOTAL,
+    add_period_option,
+    digits,
+    launch_on_quotas,
+    mlp,
+    model_parts,
+    two_x_away,
+)
 
 MIN_WINDOW_STEPS = 3
 """Fewer timed steps than this in a window make no window (a mean of noise)."""
@@ -174,9 +184,11 @@ def away_errors(pinned: dict[str, Any]) -> dict[str, tuple[float, float]]:
             for name, p in pinned.items() if p["predicted"] is not None}
 
 
-def _report(results: list[dict[str, Any]], steps: int, block_steps: int) -> None:
+def _report(results: list[dict[str, Any]], steps: int, block_steps: int,
+            period_ms: float) -> None:
     print(f"bench_prediction: {len(SHARES)} gloo workers on CPU quotas "
-          f"{', '.join(f'{s:g}' for s in SHARES)}, MLP 64-1024-1024-10, B = {TOTAL}; "
+          f"{', '.join(f'{s:g}' for s in SHARES)} ({period_ms:g} ms period), "
+          f"MLP 64-1024-1024-10, B = {TOTAL}; "
           f"{len(results)} runs of {steps} free steps, then pinned blocks of {block_steps}")
     settled_all: list[dict[str, Any]] = []
     away_all: dict[str, list[tuple[float, float]]] = {}
@@ -261,6 +273,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10, help="pinned blocks per split")
     parser.add_argument("--block-steps", type=int, default=8, help="timed steps per block")
     parser.add_argument("--json", type=Path, help="also write the runs' raw timings here")
+    add_period_option(parser)
     args = parser.parse_args()
     for name, least in (("runs", 1), ("steps", 50), ("rounds", 1), ("block_steps", 1)):
         if getattr(args, name) < least:
@@ -270,12 +283,12 @@ def main() -> int:
         return 0
     result = launch_on_quotas(Path(__file__), [
         "--runs", str(args.runs), "--steps", str(args.steps), "--rounds", str(args.rounds),
-        "--block-steps", str(args.block_steps)])
+        "--block-steps", str(args.block_steps)], args.period_ms)
     if isinstance(result, int):
         return result
     if args.json is not None:
         args.json.write_text(json.dumps(result))
-    _report(result["runs"], args.steps, args.block_steps)
+    _report(result["runs"], args.steps, args.block_steps, args.period_ms)
     return 0
 
 

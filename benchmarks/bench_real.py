@@ -1,10 +1,11 @@
 """Real heterogeneity: Cannikin against plain DDP on CPU-quota workers (no emulation).
 
-Three gloo workers in cgroups limited to 1, 0.5 and 0.25 of a core (10 ms CFS period, see
-``cannikin.runtime.quota``) train an MLP 64-1024-1024-10 on scikit-learn's digits with a
-total batch B = 480. In one run, in interleaved blocks of steps (every round visits every
-configuration, in a rotated order, so the load of a shared machine hits all alike; each block
-starts with one untimed step of its own, so that none is timed on the previous one's caches):
+Three gloo workers in cgroups limited to 1, 0.5 and 0.25 of a core (10 ms CFS period unless
+``--period-ms`` says otherwise, see ``cannikin.runtime.quota``) train an MLP 64-1024-1024-10
+on scikit-learn's digits with a total batch B = 480. In one run, in interleaved blocks of
+steps (every round visits every configuration, in a rotated order, so the load of a shared
+machine hits all alike; each block starts with one untimed step of its own, so that none is
+timed on the previous one's caches):
 
 * plain torch DDP at the even split;
 * Cannikin (HeteroDataParallel, split "optimal"), after a warm-up in which it learns the
@@ -72,7 +73,7 @@ from typing import Any, NamedTuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # the parent imports this checkout's quota module
 
-from cannikin.runtime.quota import QuotaGroups, QuotaUnavailable  # noqa: E402
+from cannikin.runtime.quota import DEFAULT_PERIOD_US, QuotaGroups, QuotaUnavailable  # noqa: E402
 
 SHARES = (1.0, 0.5, 0.25)
 TOTAL = 480
@@ -310,10 +311,12 @@ def _loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after: str) -> None:
+def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after: str,
+            period_ms: float) -> None:
     shares, compute = result["shares"], result["compute_s"]
     print(f"bench_real: {result['world']} gloo workers on CPU quotas "
-          f"{', '.join(f'{s:g}' for s in shares)} of a core (10 ms period), MLP 64-{WIDTH}-"
+          f"{', '.join(f'{s:g}' for s in shares)} of a core ({period_ms:g} ms "
+          f"period), MLP 64-{WIDTH}-"
           f"{WIDTH}-10 on digits, B = {TOTAL}")
     print(f"load average before {load_before}, after {load_after}; wall time {wall_s:.0f} s")
     fastest = min(compute)
@@ -466,6 +469,7 @@ def main() -> int:
                              "configurations, so that enough rounds of long blocks fit for "
                              "the overhead ratios' intervals to resolve the 3-5%% targets "
                              "(--rounds 60 --block-steps 8: ~4.5 min here)")
+    add_period_option(parser)
     args = parser.parse_args()
     for name, least in (("rounds", 2), ("block_steps", 1), ("warmup_steps", 1)):
         if getattr(args, name) < least:  # the IQRs over rounds need two
@@ -477,22 +481,37 @@ def main() -> int:
     start = time.monotonic()
     result = launch_on_quotas(Path(__file__), [
         "--rounds", str(args.rounds), "--block-steps", str(args.block_steps), "--warmup-steps",
-        str(args.warmup_steps), *([] if args.sweep else ["--no-sweep"])])
+        str(args.warmup_steps), *([] if args.sweep else ["--no-sweep"])], args.period_ms)
     if isinstance(result, int):
         return result
-    _report(result, time.monotonic() - start, load_before, _loadavg())
+    _report(result, time.monotonic() - start, load_before, _loadavg(), args.period_ms)
     return 0
 
 
-def launch_on_quotas(script: Path, args: list[str]) -> dict[str, Any] | int:
+def add_period_option(parser: argparse.ArgumentParser) -> None:
+    """``--period-ms``: the CFS period of the workers' quotas (:func:`launch_on_quotas`)."""
+    parser.add_argument(
+        "--period-ms", type=float, default=DEFAULT_PERIOD_US / 1000,
+        help="CFS period of the quotas in ms (default %(default)g: a steadily slower worker; "
+             "100 is the kernel's default and Docker's --cpus' and Kubernetes' CPU limits': "
+             "a worker runs at full speed until its quota for the period is spent, then "
+             "waits for the next period, so a step's time depends on where it falls in one)")
+
+
+def launch_on_quotas(script: Path, args: list[str],
+                     period_ms: float = DEFAULT_PERIOD_US / 1000) -> dict[str, Any] | int:
     """Run ``script --worker OUT *args`` as one gloo worker per :data:`SHARES` entry, each
-    in its CPU quota: what the workers wrote to OUT, or the exit code (2: no writable
-    cgroups, with the one line that names the fallback; 1: the workers failed)."""
+    in its CPU quota of every ``period_ms``: what the workers wrote to OUT, or the exit code
+    (2: no writable cgroups, with the one line that names the fallback, or a period the
+    kernel refuses, named; 1: the workers failed)."""
     try:
-        groups = QuotaGroups.create(SHARES)
+        groups = QuotaGroups.create(SHARES, period_us=round(1000 * period_ms))
     except QuotaUnavailable as err:
         print(f"{script.stem}: {err}; benchmarks/bench_runtime.py measures emulated speeds",
               file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"{script.stem}: --period-ms {period_ms:g}: {err}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp, groups:
         out = Path(tmp) / "bench.json"

@@ -29,3 +29,16 @@ def test_the_medians_interval_holds_it_and_narrows_with_more_rounds() -> None:
         assert got.median == pytest.approx(float(np.median(ratios)))
         widths.append(got.high - got.low)
     assert widths[1] < 0.6 * widths[0]  # ~1/sqrt(8) of it
+
+
+def test_a_period_whose_quotas_the_kernel_refuses_is_named(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    bench_real = load_benchmark("bench_real")
+    # 0.25 of a 2 ms period is under the kernel's 1 ms minimum quota
+    assert bench_real.launch_on_quotas(bench_real.ROOT / "benchmarks" / "bench_real.py", [],
+                                       period_ms=2) == 2
+    err = capsys.readouterr().err
+    if "CPU quotas unavailable" in err:
+        pytest.skip(err.strip())
+    assert "bench_real: --period-ms 2: CPU share 0.25 of rank 2 is below" in err
+    assert "give at least 0.5 cores" in err
