@@ -396,7 +396,13 @@ class PlannerConfig:
     """Once a plan has held until the re-plan cadence reached its longest interval, only
     every measure_stride-th step is measured (timings and gradient norms, DESIGN.md §5);
     the others cost what plain DDP costs. A change of plan brings back measuring every
-    step."""
+    step (a probe's and a trial's too), but a re-balance on the cadence of a plan measured
+    at this stride, with the same workers busy (the one a probe or trial interrupted, on
+    its return): the model knows the workers there, and measuring every step at Cannikin's
+    split on quota workers 1/0.5/0.25 took 1.064x the wall time of this stride (the idle
+    worker's CPU per step sets the step there), for ~75 steps after each such move, several
+    times a run. A drift's re-plan, a change of the total batch or of the busy workers
+    measures every step."""
     drift_steps: int = 6
     """A worker whose compute time is off its model by more than :attr:`drift_change` in
     the median of this many consecutive steps triggers a re-plan at once (single
@@ -636,6 +642,9 @@ class Planner:
     """The step of each worker's latest trial."""
     pinned: bool = field(default=False, init=False)
     """A split set from outside holds (:meth:`pin`): no re-plan until it is released."""
+    _every_step: bool = field(default=True, init=False)
+    """The chosen plan in force is measured every step until it holds; False: at the
+    stride from the start (a re-balance, :attr:`PlannerConfig.measure_stride`)."""
     _remember: tuple[bool, bool] = field(default=(False, False), init=False)
     """Whether the previous and the current step's split was chosen regardless of the
     measurements (the warm-up's even split, a probe): their timings are remembered."""
@@ -728,13 +737,15 @@ class Planner:
         """The plan has held until the re-plan cadence reached its longest interval
         (:attr:`PlannerConfig.max_replan_every`), or it is pinned: every
         :attr:`PlannerConfig.measure_stride`-th step is measured, the others cost what
-        plain DDP costs (a new plan measures every step)."""
+        plain DDP costs (a new plan measures every step, but a re-balance of a held one:
+        :attr:`PlannerConfig.measure_stride`)."""
         return self._interval >= self.config.max_replan_every
 
     def measures(self, step: int) -> bool:
         """Whether step ``step`` is measured (:attr:`PlannerConfig.measure_stride`); the
         same answer on every rank, since it depends only on the planner's state."""
-        return not self.held or step % self.config.measure_stride == 0
+        every = self._every_step or self.current.exploring  # a probe or trial: every step
+        return (every and not self.held) or step % self.config.measure_stride == 0
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
@@ -1014,6 +1025,12 @@ class Planner:
         # step it runs); any change brings the cadence back to replan_every, and a re-plan
         # out of turn (a drift) that changes nothing leaves the cadence as it was
         unchanged = (record.local_batches == previous.local_batches and cluster is not None)
+        if decision.kind == "plan":  # against the plan a probe or trial interrupted
+            before, interval = self._before_probe or (previous.local_batches, self._interval)
+            if (record.local_batches, record.total_batch) != (before, previous.total_batch):
+                at_stride = interval >= cfg.max_replan_every or not self._every_step
+                same_busy = [b > 0 for b in record.local_batches] == [b > 0 for b in before]
+                self._every_step = not (at_stride and same_busy and record.reason == "cadence")
         if decision.kind == "probe":
             self._interval = cfg.replan_every  # a probe lasts one short interval
         elif decision.kind == "try":
