@@ -253,7 +253,9 @@ def test_a_plan_under_heavy_noise_settles() -> None:
     # cadence back to the split it interrupted: 12-18 changes, 66-81% measured, 32-42
     # re-plans, the same plan quality (mean 1.010-1.018 of the optimum, was 1.010-1.020).
     # With outliers told by relative deviation: 12-24 changes, 30-48 re-plans, mean
-    # 1.007-1.024 (absolute: 13-23, 30-48, 1.016-1.026)
+    # 1.007-1.024 (absolute: 13-23, 30-48, 1.016-1.026). A re-balance of a plan measured at
+    # the stride keeping it: 9-15 changes, 21-37 re-plans, 28-61% measured, mean
+    # 1.011-1.023 (12-18, 31-41, 59-80% and 1.012-1.019 before)
     def recorder(measured: list[bool], replans: list[bool]) -> Callable[[int, Planner], None]:
         def inspect(step: int, planner: Planner) -> None:
             measured.append(planner.measures(step))
@@ -269,5 +271,5 @@ def test_a_plan_under_heavy_noise_settles() -> None:
         figures = (changes, sum(replans[100:]), sum(measured[100:]) / 500,
                    float(np.nanmean(quality[100:])))
         print(f"seed {seed}: changes, re-plans, measured fraction, mean quality {figures}")
-        assert changes <= 24 and sum(replans[100:]) <= 48, figures
+        assert changes <= 24 and sum(replans[100:]) <= 48 and figures[2] <= 0.7, figures
         assert figures[3] <= 1.04, figures
