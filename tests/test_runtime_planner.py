@@ -3,6 +3,7 @@ noisy step reports (as the runtime gives it)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from cannikin.gns import estimate
 from cannikin.optperf import optimal_split, share_split
 from cannikin.perf import ClusterModel, CommModel, NodeModel
+from cannikin.runtime.decision import Decision
 from cannikin.runtime.planner import (
     MAX_BUCKETS,
     REPORT_SIZE,
@@ -223,6 +225,23 @@ def test_a_re_balance_after_a_held_plan_keeps_its_stride_and_a_drift_measures_ev
     drift = next(r for r in planner.history if r.step >= 250 and "drifted" in r.reason)
     assert drift.local_batches != move.local_batches
     assert all(measured[s] for s in steps_of(drift))
+
+
+def test_a_new_total_a_change_of_busy_workers_or_a_drift_measures_every_step() -> None:
+    held = Planner(PlannerConfig(world_size=2, init_batch=64, probe_error=None))
+    run(held, truth((1.0, 2.0)), 150)
+    assert held.held
+    a, b = held.local_batches
+    stride = [s % held.config.measure_stride == 0 for s in range(151, 155)]
+    for split, reason, kept in (((a + 2, b - 2), "cadence", True),
+                                ((a + 2, b - 2), "worker 1 drifted from its model", False),
+                                ((2 * a, 2 * b), "cadence", False),
+                                ((a + b, 0), "cadence", False)):
+        planner = copy.deepcopy(held)
+        planner._adopt(150, reason, planner.cluster_model,
+                       Decision(local_batches=split, predicted_s=0.1))
+        measured = [planner.measures(s) for s in range(151, 155)]
+        assert measured == (stride if kept else [True] * 4), (split, reason)
 
 
 def test_a_settled_plan_stays_at_its_stride_through_probes_and_re_balances() -> None:

@@ -1030,7 +1030,8 @@ class Planner:
             if (record.local_batches, record.total_batch) != (before, previous.total_batch):
                 at_stride = interval >= cfg.max_replan_every or not self._every_step
                 same_busy = [b > 0 for b in record.local_batches] == [b > 0 for b in before]
-                self._every_step = not (at_stride and same_busy and record.reason == "cadence")
+                self._every_step = not (at_stride and same_busy and record.reason == "cadence"
+                                        and record.total_batch == previous.total_batch)
         if decision.kind == "probe":
             self._interval = cfg.replan_every  # a probe lasts one short interval
         elif decision.kind == "try":
