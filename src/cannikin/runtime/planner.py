@@ -1027,7 +1027,7 @@ class Planner:
         unchanged = (record.local_batches == previous.local_batches and cluster is not None)
         if decision.kind == "plan":  # against the plan a probe or trial interrupted
             before, interval = self._before_probe or (previous.local_batches, self._interval)
-            if (record.local_batches, record.total_batch) != (before, previous.total_batch):
+            if record.local_batches != before:
                 at_stride = interval >= cfg.max_replan_every or not self._every_step
                 same_busy = [b > 0 for b in record.local_batches] == [b > 0 for b in before]
                 self._every_step = not (at_stride and same_busy and record.reason == "cadence"
