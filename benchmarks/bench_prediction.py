@@ -47,13 +47,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_real import (  # noqa: E402
-    LR,
     SHARES,
     TOTAL,
     add_period_option,
+    cannikin,
     digits,
     launch_on_quotas,
-    mlp,
     model_parts,
     two_x_away,
 )
@@ -67,10 +66,8 @@ def _worker(out: Path, runs: int, steps: int, rounds: int, block_steps: int) -> 
 
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.utils.data import TensorDataset
 
-    from cannikin.runtime import HeteroDataLoader, HeteroDataParallel, init_distributed
+    from cannikin.runtime import init_distributed
     from cannikin.runtime.quota import join_from_env
 
     x_all, y_all = digits()
@@ -79,18 +76,7 @@ def _worker(out: Path, runs: int, steps: int, rounds: int, block_steps: int) -> 
     world = init_distributed("gloo").world_size
 
     def run() -> dict[str, Any]:
-        net = mlp()
-        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
-        loader = HeteroDataLoader(TensorDataset(x_all, y_all), batch_size=TOTAL, seed=0)
-        hdp = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None)
-        batches = (batch for _ in range(100_000) for batch in loader)
-
-        def step() -> None:
-            x, y = next(batches)
-            opt.zero_grad()
-            hdp.backward(F.cross_entropy(hdp(x), y))
-            opt.step()
-
+        hdp, step = cannikin(x_all, y_all)
         ends, held = [], []
         dist.barrier()
         for _ in range(steps):

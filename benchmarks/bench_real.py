@@ -67,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -106,15 +107,43 @@ def mlp() -> Any:
                          nn.ReLU(), nn.Linear(WIDTH, 10))
 
 
+def cannikin(x_all: Any, y_all: Any) -> tuple[Any, Callable[..., None]]:
+    """A fresh Cannikin (split "optimal", the workers' real speeds) on ``x_all, y_all``
+    and its training step, epoch after epoch; ``step(seeded=False)`` backs the loss up
+    with a plain ``loss.backward()`` instead of ``model.backward(loss)``."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import TensorDataset
+
+    from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+
+    net = mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    loader = HeteroDataLoader(TensorDataset(x_all, y_all), batch_size=TOTAL, seed=0)
+    model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None)
+    batches = (batch for _ in range(100_000) for batch in loader)
+
+    def step(seeded: bool = True) -> None:
+        x, y = next(batches)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if seeded:
+            model.backward(loss)
+        else:
+            loss.backward()
+        opt.step()
+
+    return model, step
+
+
 def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
             sweep: bool) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import TensorDataset
 
-    from cannikin.runtime import HeteroDataLoader, HeteroDataParallel, init_distributed
+    from cannikin.runtime import init_distributed
     from cannikin.runtime.quota import join_from_env
 
     x_all, y_all = digits()
@@ -151,18 +180,11 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
         ddp_opt.step()
 
     # -- Cannikin ------------------------------------------------------------------------------
-    hdp_net = mlp()
-    hdp_opt = torch.optim.SGD(hdp_net.parameters(), lr=LR, momentum=0.9)
-    loader = HeteroDataLoader(TensorDataset(x_all, y_all), batch_size=TOTAL, seed=0)
-    hdp = HeteroDataParallel(hdp_net, hdp_opt, loader, split="optimal", slowdown=None)
-    batches = (batch for _ in range(100_000) for batch in loader)  # epoch after epoch
+    hdp, free_step = cannikin(x_all, y_all)
     predicted: list[float] = []
 
     def hdp_step() -> None:
-        x, y = next(batches)
-        hdp_opt.zero_grad()
-        hdp.backward(F.cross_entropy(hdp(x), y))
-        hdp_opt.step()
+        free_step()
         p = hdp.last_metrics.get("predicted_step_time_s")
         if p is not None:
             predicted.append(float(p))
@@ -186,21 +208,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
     ddp_step(even)  # DDP's first steps rebuild its buckets: not timed
     ddp_step(even)
 
-    held_net = mlp()
-    held_opt = torch.optim.SGD(held_net.parameters(), lr=LR, momentum=0.9)
-    held_loader = HeteroDataLoader(TensorDataset(x_all, y_all), batch_size=TOTAL, seed=0)
-    held = HeteroDataParallel(held_net, held_opt, held_loader, split="optimal", slowdown=None)
-    held_batches = (batch for _ in range(100_000) for batch in held_loader)
-
-    def held_step(seeded: bool = True) -> None:
-        x, y = next(held_batches)
-        held_opt.zero_grad()
-        loss = F.cross_entropy(held(x), y)
-        if seeded:
-            held.backward(loss)
-        else:
-            loss.backward()
-        held_opt.step()
+    held, held_step = cannikin(x_all, y_all)
 
     away = two_x_away(cannikin_split)
     held.pin_split(cannikin_split)

@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_real import LR, SHARES, TOTAL, digits, launch_on_quotas, mlp  # noqa: E402
+from bench_real import SHARES, cannikin, digits, launch_on_quotas  # noqa: E402
 
 MODES = ("one rank decides", "every rank decides")
 
@@ -41,10 +41,8 @@ def _worker(out: Path, rounds: int, steps: int) -> None:
 
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.utils.data import TensorDataset
 
-    from cannikin.runtime import HeteroDataLoader, HeteroDataParallel, init_distributed
+    from cannikin.runtime import init_distributed
     from cannikin.runtime.quota import join_from_env
 
     x_all, y_all = digits()
@@ -53,10 +51,7 @@ def _worker(out: Path, rounds: int, steps: int) -> None:
     init_distributed("gloo")
 
     def run(mode: str) -> dict[str, Any]:
-        net = mlp()
-        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
-        loader = HeteroDataLoader(TensorDataset(x_all, y_all), batch_size=TOTAL, seed=0)
-        hdp = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None)
+        hdp, step = cannikin(x_all, y_all)
         planner = hdp.planner
         replan = planner.replan
         replans: list[tuple[int, float]] = []  # (step, this rank's wall seconds)
@@ -70,14 +65,10 @@ def _worker(out: Path, rounds: int, steps: int) -> None:
             return record
 
         planner.replan = timed  # type: ignore[method-assign]
-        batches = (batch for _ in range(100_000) for batch in loader)
         ends = []
         dist.barrier()
         for _ in range(steps):
-            x, y = next(batches)
-            opt.zero_grad()
-            hdp.backward(F.cross_entropy(hdp(x), y))
-            opt.step()
+            step()
             ends.append(time.perf_counter())
         hdp.remove_hooks()
         return {"ends": ends, "replans": replans, "split": list(hdp.plan.local_batches)}
