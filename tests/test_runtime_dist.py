@@ -24,7 +24,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "eval_between_steps", "adam_noise_reset", "noise_stride", "amp", "ddp_habits",
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
-          "one_rank_decides", "decider_fails"]
+          "one_rank_decides", "decider_fails", "backward_onto_gradients"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -304,6 +304,21 @@ def test_ddp_habits_work_as_with_ddp(figures: dict[str, Any]) -> None:
     assert habits["outside_rel_err"] < 1e-5
     assert "no_sync() would" in habits["no_sync"]
     assert habits["state_keys_as_ddp"]  # model.state_dict() has DDP's "module." keys
+
+
+def test_backwards_onto_gradients_sum_as_with_ddp(figures: dict[str, Any]) -> None:
+    """A second backward in a step, or one onto the last step's gradients, through
+    model.backward(loss) (seeded with b_i / B) summed the reduced gradient once per rank
+    (1.2-2.2x off on 2 workers); DDP adds it once. Each case against one process."""
+    found = figures["backward_onto_gradients"]
+    assert set(found["errors"]) == {"twice_seeded_seeded", "twice_plain_seeded",
+                                    "twice_seeded_plain", "twice_plain_plain",
+                                    "over_two_steps", "zeros_left"}
+    assert all(error < 1e-5 for error in found["errors"].values()), found["errors"]
+    # every step measured (stride 1), but not those of two backwards: their records hold both
+    assert found["measured"] == [False] * 4 + [True] * 4, found["measured"]
+    assert "began its backward with gradients left from before it" in found[
+        "micro_batches_refused"]
 
 
 def test_every_rank_lowers_the_collective_timeout_alike(figures: dict[str, Any]) -> None:

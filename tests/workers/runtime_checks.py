@@ -1281,6 +1281,105 @@ def check_accumulate() -> dict[str, Any]:
                                               loss_scale=2.0**10, max_batch=144)}
 
 
+def _union_error(net: nn.Module, ref: nn.Module, data: torch.utils.data.TensorDataset,
+                 losses: list[tuple[torch.Tensor, float]]) -> float:
+    """``net``'s gradient against one process's of the sum over ``losses`` (each step's
+    indices on every rank, with a factor on the inputs) of the mean loss, relative to its
+    largest value."""
+    ref.zero_grad()
+    for idx, factor in losses:
+        union = torch.tensor(_all_indices(idx.tolist()))
+        F.cross_entropy(ref(factor * data.tensors[0][union]), data.tensors[1][union]).backward()
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
+    return max(float((p.grad - q.grad).abs().max())
+               for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
+
+
+def check_backward_onto_gradients() -> dict[str, Any]:
+    """Backwards onto gradients already there, as DDP scripts run them: two in a step (a
+    GAN's discriminator on real, then on fake samples), through ``model.backward`` and
+    ``loss.backward()`` in each order; gradients summed over two of the loader's steps before
+    one update; ``zero_grad(set_to_none=False)``. Each gradient against one process's, and
+    whether each step was measured; then a model that accumulates micro-batches, whose
+    step begins with the last step's gradients left."""
+    data = _blobs(30 * 12)
+    net = _classifier()
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(data, batch_size=30, seed=3)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
+                               lr_scaling="none")
+    split = [0] * dist.get_world_size()
+    split[0], split[1] = 12, 18  # a third rank idle: its gradient comes by the idle route
+    model.pin_split(split)
+    model.planner.config.measure_stride = 1  # pinned: every step measured that can be
+    steps = iter(loader)
+
+    def backward(loss: torch.Tensor, seeded: bool) -> None:
+        model.backward(loss) if seeded else loss.backward()
+
+    errors: dict[str, float] = {}
+    measured: list[bool] = []
+    for first, second in [(True, True), (False, True), (True, False), (False, False)]:
+        x, y, idx = next(steps)
+        ref.load_state_dict(model.module.state_dict())
+        opt.zero_grad()
+        backward(F.cross_entropy(model(x), y), first)
+        backward(F.cross_entropy(model(0.5 * x), y), second)
+        errors[f"twice_{'seeded' if first else 'plain'}_{'seeded' if second else 'plain'}"] = (
+            _union_error(net, ref, data, [(idx, 1.0), (idx, 0.5)]))
+        opt.step()
+        measured.append(bool(model.last_metrics["measured"]))
+    ref.load_state_dict(model.module.state_dict())
+    opt.zero_grad()
+    summed = []
+    for _ in range(2):  # no zero_grad between the two steps
+        x, y, idx = next(steps)
+        model.backward(F.cross_entropy(model(x), y))
+        summed.append((idx, 1.0))
+    errors["over_two_steps"] = _union_error(net, ref, data, summed)
+    opt.step()
+    x, y, idx = next(steps)
+    ref.load_state_dict(model.module.state_dict())
+    opt.zero_grad(set_to_none=False)
+    model.backward(F.cross_entropy(model(x), y))
+    errors["zeros_left"] = _union_error(net, ref, data, [(idx, 1.0)])
+    opt.step()
+    for _ in range(4):  # one backward a step: measured again at the stride
+        x, y, idx = next(steps)
+        opt.zero_grad()
+        model.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        measured.append(bool(model.last_metrics["measured"]))
+    model.remove_hooks()
+    return {"errors": errors, "measured": measured,
+            "micro_batches_refused": _stale_micro_batches()}
+
+
+def _stale_micro_batches() -> str:
+    """A model of micro-batches (caps 4) whose second step begins without zero_grad: the
+    error every rank raises (empty: none)."""
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(_blobs(120), batch_size=24, seed=3)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
+                               max_local_batch=4, max_micro_batches=4)
+    refused = ""
+    try:
+        for number, step in enumerate(loader.steps()):
+            if number == 0:
+                opt.zero_grad()
+            for x, y, _ in step:
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if number == 1:
+                break
+    except RuntimeError as error:
+        refused = str(error)
+    model.remove_hooks()
+    return refused
+
+
 CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
     name.removeprefix("check_"): fn for name, fn in globals().items()
     if name.startswith("check_") and callable(fn)

@@ -131,6 +131,10 @@ class CommState:
     into the gradients before the next backward writes it again."""
     reductions: list["_Reduction"] = field(default_factory=list)
     """This step's bucket all-reduces launched so far, in launch order."""
+    backwards: int = 0
+    """This step's backwards that reached DDP's all-reduce (its last bucket's hook ran): more
+    than one (a GAN's discriminator on real and then fake samples) leaves the records above
+    doubled, and the step says nothing of one backward's time or norms."""
     unfinished: list["_Reduction"] = field(default_factory=list)
     """This step's all-reduces that the last bucket's hook completes (unmeasured buckets)."""
     finisher: "_Finisher | None" = None
@@ -159,6 +163,7 @@ class CommState:
         self.rows_alone = None
         self.reductions = []
         self.unfinished = []
+        self.backwards = 0
 
     def read_step(self, norms: bool) -> "StepReadout":
         """What this step's collectives left on the device, read in one transfer: the
@@ -348,6 +353,8 @@ def weighted_allreduce_hook(
         alone = _write_rows(rows, torch.empty(rows.size, dtype=torch.float64,
                                               device=buffer.device))
         state.rows_alone = (alone, _launch_unstashed(alone, state.group))
+    if bucket.is_last():
+        state.backwards += 1
     reduction = _Reduction(slot=slot, bucket=bucket, sent=send, size=size,
                            carries_rows=extra is not None, norms=state.capture_sqnorm,
                            timed=state.capture_sqnorm or state.times_buckets, work=work,

@@ -110,6 +110,9 @@ class _Cycle:
     """The mark where the first of several passes ended (the second began)."""
     last_bwd_start: Any = None
     """The mark where the last of several passes' backward started."""
+    left_checked: bool = False
+    """This step's first backward found no gradient left from before it (a model that may
+    run a step in several passes, :meth:`HeteroDataParallel._refuse_gradients_left`)."""
     oom: bool = False
     stepping: bool = False
     """Between the loader handing out a step and its optimizer step."""
@@ -295,6 +298,8 @@ class HeteroDataParallel(nn.Module):
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device])
         self.ddp = DistributedDataParallel(module, **ddp_kwargs)
+        # the parameters whose gradients DDP all-reduces (:meth:`_gradients_clear`)
+        self._trained = [p for p in module.parameters() if p.requires_grad]
         self.clock: Clock = clock_for(self.device)
         self.cpu_cores = own_cpu_limit()  # read once: a worker's quota is set before it starts
         # no norms until a step of the loader asks for them (before attach: plain DDP)
@@ -562,7 +567,7 @@ class HeteroDataParallel(nn.Module):
         else:
             self.comm.unwatch_passes()
         cycle.bwd_start = None
-        cycle.oom = False
+        cycle.oom = cycle.left_checked = False
         cycle.stepping = True
         if cycle.prev_mark is None:
             cycle.prev_mark = cycle.measure_from = self.clock.mark()
@@ -615,6 +620,11 @@ class HeteroDataParallel(nn.Module):
             tensor = _first_grad_tensor(out)
             if tensor is not None:
                 tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
+        if (cycle.stepping and cycle.pass_index == 0 and not cycle.left_checked
+                and self._several_passes and torch.is_grad_enabled()):
+            tensor = _first_grad_tensor(out)
+            if tensor is not None:
+                tensor.register_hook(self._refuse_gradients_left)  # type: ignore[no-untyped-call]
         if cycle.stepping and cycle.exchanges and self.comm.rows is None:
             self.comm.rows = self._exchange_rows()  # sent with a gradient bucket
         return out
@@ -622,10 +632,11 @@ class HeteroDataParallel(nn.Module):
     def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None,
                  **kwargs: Any) -> None:
         """``loss.backward(gradient, **kwargs)``, the same gradients, with this rank's weight
-        b_i / B in the backward's seed: the hook then all-reduces the buckets as they are,
-        where after a plain ``loss.backward()`` it scales every gradient once more (a pass
-        over all of them: ~0.3 ms per step for 1.1 M float32 parameters on one CPU core,
-        paid at the slowest worker's speed). See :meth:`weighted_backward` for where the
+        b_i / B in the backward's seed (onto cleared gradients, :meth:`_gradients_clear`):
+        the hook then all-reduces the buckets as they are, where after a plain
+        ``loss.backward()`` it scales every gradient once more (a pass over all of them:
+        ~0.3 ms per step for 1.1 M float32 parameters on one CPU core, paid at the slowest
+        worker's speed). See :meth:`weighted_backward` for where the
         hook scales as before, and for a CUDA out-of-memory in the backward, which does not
         reach the caller here (a plain ``loss.backward()`` gives autograd's exception no
         place to be caught: it still raises)."""
@@ -647,8 +658,8 @@ class HeteroDataParallel(nn.Module):
         multiply the loss by, and the backward run inside takes the buckets as weighted
         already; or None, and the loss stays as it is (the hook weighs the buckets): outside
         a step of the loader, on a step of several micro-batches (their passes are weighed
-        by size) and on a rank with 0 samples (its bucket is zeroed: the mean loss of no
-        samples is NaN).
+        by size), on a rank with 0 samples (its bucket is zeroed: the mean loss of no
+        samples is NaN) and onto gradients left from before (:meth:`_gradients_clear`).
 
         A CUDA out-of-memory raised in the block (by the backward) does not leave it, with
         ``recover_backward_oom`` in a step of the loader: this rank launches the gradient
@@ -657,7 +668,8 @@ class HeteroDataParallel(nn.Module):
         rank's cap is lowered and the step's samples come again
         (:meth:`_skip_step_after_oom`)."""
         cycle, weight = self._cycle, self.comm.weight
-        seeded = cycle.stepping and len(cycle.passes) == 1 and weight > 0.0
+        seeded = (cycle.stepping and len(cycle.passes) == 1 and weight > 0.0
+                  and self._gradients_clear(values=False))
         self.comm.seeded = seeded
         try:
             yield weight if seeded else None
@@ -668,6 +680,42 @@ class HeteroDataParallel(nn.Module):
             self._recover_backward_oom(error)
         finally:
             self.comm.seeded = False
+
+    def _gradients_clear(self, values: bool) -> bool:
+        """No gradient is left in the parameters that DDP all-reduces: each is None (what
+        ``optimizer.zero_grad()`` leaves by default) or, with ``values``, all zeros (its
+        ``set_to_none=False``; a read of each gradient left, on a GPU one host
+        synchronisation each). A backward onto gradients left there (a second backward in
+        the step, a GAN's discriminator on real and then fake samples, or gradients summed
+        over several of the loader's steps) must not be seeded: the all-reduce would sum
+        the reduced gradient once per rank, where the hook's weights b_i / B, which sum to
+        1, keep it once, as DDP's mean does."""
+        left = [p.grad for p in self._trained if p.grad is not None]
+        if not values:
+            return not left
+        return not any(bool(grad.detach().ne(0).any()) for grad in left)
+
+    @property
+    def _several_passes(self) -> bool:
+        """A step may take several passes on some rank (every rank answers alike)."""
+        return self.accumulates or (self.planner.config.micro_batches or 1) > 1
+
+    def _refuse_gradients_left(self, grad: torch.Tensor) -> None:
+        """At the start of the step's first backward (after a ``zero_grad()`` between the
+        forward and the backward, as Lightning runs them): raise if a gradient is left from
+        before the step. Its passes' rescaling (:meth:`begin_pass`) would weigh it wrongly,
+        silently. Every rank checks, before any all-reduce of the step, so all raise alike."""
+        cycle = self._cycle
+        if cycle.left_checked:
+            return
+        cycle.left_checked = True
+        if not self._gradients_clear(values=True):
+            raise RuntimeError(
+                f"rank {self.rank}: a step of a model that runs micro-batches began its "
+                f"backward with gradients left from before it (no optimizer.zero_grad() "
+                f"since the last step): its passes' rescaling would weigh them wrongly. Zero "
+                f"the gradients before each step's first backward, and raise batch_size to "
+                f"accumulate over more samples")
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
         cycle = self._cycle
@@ -815,6 +863,8 @@ class HeteroDataParallel(nn.Module):
                 f"micro-batch of `for x, y in step` before the optimizer step (the gradient "
                 f"is all-reduced after the last one only)")
         end, cpu = self.clock.mark(), time.process_time()
+        if self.comm.backwards > 1:  # its records hold every backward's: not one step's
+            cycle.measuring = False
         # the step's one read from the device; on a GPU every mark is complete after it,
         # so the timings below wait for nothing
         readout = self.comm.read_step(cycle.measuring and cycle.norms)
