@@ -9,7 +9,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PURE = ["cannikin", "cannikin.metrics", "cannikin.perf", "cannikin.optperf",
-        "cannikin.goodput", "cannikin.gns", "cannikin.scaling", "cannikin.sim",
+        "cannikin.goodput", "cannikin.gns", "cannikin.losscheck", "cannikin.scaling",
+        "cannikin.sim",
         "cannikin.cli.simulate", "cannikin.cli.plan",
         # the runtime package is lazy: its torch-free parts import without torch
         "cannikin.runtime", "cannikin.runtime.sampler", "cannikin.runtime.planner",

@@ -24,7 +24,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "eval_between_steps", "adam_noise_reset", "noise_stride", "amp", "ddp_habits",
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
-          "one_rank_decides", "decider_fails", "backward_onto_gradients"]
+          "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -319,6 +319,17 @@ def test_backwards_onto_gradients_sum_as_with_ddp(figures: dict[str, Any]) -> No
     assert found["measured"] == [False] * 4 + [True] * 4, found["measured"]
     assert "began its backward with gradients left from before it" in found[
         "micro_batches_refused"]
+
+
+def test_a_loss_summed_over_the_local_batch_is_said_once(figures: dict[str, Any]) -> None:
+    """Weights b_i / B make the mean gradient of a mean loss only: a summed one is found
+    from the workers' norms on the uneven split and logged once on rank 0; a mean is not."""
+    found = figures["summed_loss"]
+    summed, mean = found["sum"], found["mean"]
+    assert summed["summed"] and summed["slope"] > 0.8 and summed["steps"] >= 8, summed
+    assert len(summed["warnings"]) == 1 and "divide the loss by len(x)" in summed["warnings"][0]
+    assert not mean["summed"] and mean["slope"] < 0.2 and mean["steps"] >= 8, mean
+    assert mean["warnings"] == []
 
 
 def test_every_rank_lowers_the_collective_timeout_alike(figures: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import sys
@@ -1354,6 +1355,41 @@ def check_backward_onto_gradients() -> dict[str, Any]:
     model.remove_hooks()
     return {"errors": errors, "measured": measured,
             "micro_batches_refused": _stale_micro_batches()}
+
+
+def check_summed_loss() -> dict[str, Any]:
+    """A loss summed over the local batch (pytorch/examples' VAE) and the mean, on a pinned
+    uneven split, the noise scale deciding (norms on every measured step): what the loss
+    check concluded, and the warnings rank 0 logged."""
+    return {reduction: _loss_check_run(reduction) for reduction in ("sum", "mean")}
+
+
+def _loss_check_run(reduction: str, steps: int = 16) -> dict[str, Any]:
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("cannikin.runtime.planner").addHandler(keep)
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    loader = HeteroDataLoader(_blobs(60 * steps), batch_size=60, seed=2)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
+                               lr_scaling="adascale")
+    model.pin_split([6, 20, 34][:dist.get_world_size() - 1] + [34])
+    model.planner.config.measure_stride = 1
+    for x, y, _ in loader:
+        opt.zero_grad()
+        model.backward(F.cross_entropy(model(x), y, reduction=reduction))
+        opt.step()
+    model.remove_hooks()
+    logging.getLogger("cannikin.runtime.planner").removeHandler(keep)
+    check = model.planner.loss_check
+    return {"summed": check.summed, "slope": check.slope, "steps": check.steps,
+            "warnings": [w for w in warnings if "looks summed" in w]}
 
 
 def _stale_micro_batches() -> str:

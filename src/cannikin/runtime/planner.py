@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from cannikin.gns import NoiseScaleTracker
 from cannikin.goodput import choose_batch_size, choose_even_batch_size
+from cannikin.losscheck import SummedLossCheck
 from cannikin.optperf import (
     CostlyWorker,
     Plan,
@@ -599,6 +600,8 @@ class Planner:
     tracker: PredictionTracker = field(init=False)
     """How well the model predicts each measured step once there is a model (none predicts
     the warm-up's even split)."""
+    loss_check: SummedLossCheck = field(default_factory=SummedLossCheck, init=False)
+    """Whether the workers' loss looks summed over their local batch (logged once)."""
     chosen_tracker: PredictionTracker = field(init=False)
     """The same over the splits the planner chose for speed: :attr:`tracker`'s windows but
     those of a probe, a trial at 0 samples and a pinned split (each made to learn, or held
@@ -803,6 +806,16 @@ class Planner:
             if len(batches) >= 2 and previous_global_sqnorm is not None and sane:
                 self.noise.update(sqnorms, batches, previous_global_sqnorm)
                 self._check_noise()
+                if self.loss_check.add(sqnorms, batches) and self.log_plans:
+                    logger.warning(
+                        "each worker's gradient grows with its local batch (|g_i|^2 ~ "
+                        "b_i^%.1f over %d steps of uneven batches): the loss looks summed "
+                        "over the local batch (reduction='sum', or a sum over a fixed per-rank "
+                        "batch size). Cannikin weighs worker i's gradient by b_i / B, the mean "
+                        "over the step's samples only for a loss averaged over the local "
+                        "batch: divide the loss by len(x), and multiply it by batch_size / "
+                        "world_size for the update plain DDP makes of a summed loss",
+                        self.loss_check.slope, self.loss_check.steps)
             if step - 1 >= self.config.skip_steps:
                 self._observe_timing(done)
         if self._window_ends:  # the last step of the previous plan is in: close its window
