@@ -49,6 +49,19 @@ def autoscale_after_wrapping() -> None:
     wrap().loader.autoscale_batch_size(16)
 
 
+def two_models_one_loader() -> None:
+    loader = HeteroDataLoader(DATA, batch_size=8)
+    wrap(loader)
+    wrap(loader)  # a GAN's generator on the discriminator's loader
+
+
+def a_loader_passed_on() -> HeteroDataParallel:
+    """A model whose hooks were removed hands its loader on (a rebuilt model)."""
+    loader = HeteroDataLoader(DATA, batch_size=8)
+    wrap(loader).remove_hooks()
+    return wrap(loader)
+
+
 CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
     ("batch size 0", lambda: HeteroDataLoader(DATA, batch_size=0), ValueError,
      "batch_size must be an integer >= 1, got 0"),
@@ -88,6 +101,8 @@ CASES: list[tuple[str, Callable[[], object], type[Exception], str]] = [
      "replan_every must be >= 1, got 0"),
     ("autoscale after wrapping", autoscale_after_wrapping, RuntimeError,
      "must be called before the model is wrapped"),
+    ("two models on one loader", two_models_one_loader, ValueError,
+     "hands its steps to another HeteroDataParallel already"),
 ]
 
 
@@ -105,6 +120,8 @@ def test_valid_edges_are_accepted() -> None:
     assert model.plan.local_batches == (20,)
     model = wrap(autoscaled(8, (8, 8)))
     assert model.total_batch == 8
+    model = a_loader_passed_on()
+    assert model.drives and model.loader.controller is model
 
 
 def test_a_cpu_model_under_nccl_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

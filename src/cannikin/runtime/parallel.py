@@ -309,6 +309,7 @@ class HeteroDataParallel(nn.Module):
         self._cycle = _Cycle()
         self._parts: _Attached | None = None
         self.collective_timeout = StepTimeout()  # lowered from init's once steps are measured
+        self._removed = False  # remove_hooks() was called
         if optimizer is not None and loader is not None:
             self.attach(optimizer, loader)
 
@@ -322,6 +323,15 @@ class HeteroDataParallel(nn.Module):
                                "and one loader per wrapped model")
         if not optimizer.param_groups:
             raise ValueError("the optimizer has no param groups")
+        driver = loader.controller
+        if isinstance(driver, HeteroDataParallel) and driver is not self and driver.drives:
+            raise ValueError(
+                "this HeteroDataLoader hands its steps to another HeteroDataParallel already, "
+                "which would then train as plain DDP (an even mean of the ranks' gradients "
+                "over uneven batches), silently: one loader plans one model's steps. A second "
+                "model on the same batches (a GAN's generator) is not supported; give each "
+                "wrapped model a loader of its own, or wrap the second in plain "
+                "DistributedDataParallel with a batch of the same size on every rank")
         options = self._options
         precondition = Preconditioner(optimizer)
         self.comm.transform = precondition if precondition.adaptive else None
@@ -365,6 +375,12 @@ class HeteroDataParallel(nn.Module):
                     "is per rank: DDP with %d per rank trains like batch_size=%d here)",
                     loader.batch_size, self.world_size, loader.batch_size,
                     loader.batch_size * self.world_size)
+
+    @property
+    def drives(self) -> bool:
+        """Attached, its loader's steps still handed to it, its hooks not removed."""
+        parts = self._parts
+        return parts is not None and parts.loader.controller is self and not self._removed
 
     @property
     def attached(self) -> _Attached:
@@ -1084,6 +1100,7 @@ class HeteroDataParallel(nn.Module):
 
     def remove_hooks(self) -> None:
         """Detach from the optimizer and remove the emulation (the model stays wrapped)."""
+        self._removed = True
         if self._parts is not None:
             for handle in self._parts.hooks:
                 handle.remove()
