@@ -652,10 +652,10 @@ class HeteroDataParallel(nn.Module):
         the hook then all-reduces the buckets as they are, where after a plain
         ``loss.backward()`` it scales every gradient once more (a pass over all of them:
         ~0.3 ms per step for 1.1 M float32 parameters on one CPU core, paid at the slowest
-        worker's speed). See :meth:`weighted_backward` for where the
-        hook scales as before, and for a CUDA out-of-memory in the backward, which does not
-        reach the caller here (a plain ``loss.backward()`` gives autograd's exception no
-        place to be caught: it still raises)."""
+        worker's speed). See :meth:`weighted_backward` for where the hook scales as
+        before, and for a CUDA out-of-memory in the backward, which does not reach the
+        caller here (a plain ``loss.backward()`` gives autograd's exception no place to be
+        caught: it still raises)."""
         with self.weighted_backward() as weight:
             if weight is None:
                 loss.backward(gradient, **kwargs)  # type: ignore[no-untyped-call]
