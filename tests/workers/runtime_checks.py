@@ -292,10 +292,20 @@ def _gradient_error(net: nn.Module, ref: nn.Module, data: torch.utils.data.Tenso
                     idx: torch.Tensor, device: torch.device) -> float:
     """Largest difference between ``net``'s gradient and one process's (``ref``) over the
     step's samples (every rank's ``idx``), relative to the largest gradient value."""
-    union = torch.tensor(_all_indices(idx.tolist()))
+    return _union_error(net, ref, data, [(idx, 1.0)], device)
+
+
+def _union_error(net: nn.Module, ref: nn.Module, data: torch.utils.data.TensorDataset,
+                 losses: list[tuple[torch.Tensor, float]],
+                 device: torch.device = CPU) -> float:
+    """``net``'s gradient against one process's (``ref``) of the sum over ``losses`` (each
+    one step's indices on this rank, gathered from every rank, and a factor on the inputs)
+    of the mean loss, relative to the largest gradient value."""
     ref.zero_grad()
-    F.cross_entropy(ref(data.tensors[0][union].to(device)),
-                    data.tensors[1][union].to(device)).backward()
+    for idx, factor in losses:
+        union = torch.tensor(_all_indices(idx.tolist()))
+        F.cross_entropy(ref(factor * data.tensors[0][union].to(device)),
+                        data.tensors[1][union].to(device)).backward()
     scale = max(float(q.grad.abs().max()) for q in ref.parameters())
     return max(float((p.grad - q.grad).abs().max())
                for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
@@ -1280,20 +1290,6 @@ def check_accumulate() -> dict[str, Any]:
                                         slowdowns=(3.0, 3.0, 1.0)),
             "amp_autoscale": _accumulated_run("optimal", 24, [6, 6, 6], passes=8, steps=16,
                                               loss_scale=2.0**10, max_batch=144)}
-
-
-def _union_error(net: nn.Module, ref: nn.Module, data: torch.utils.data.TensorDataset,
-                 losses: list[tuple[torch.Tensor, float]]) -> float:
-    """``net``'s gradient against one process's of the sum over ``losses`` (each step's
-    indices on every rank, with a factor on the inputs) of the mean loss, relative to its
-    largest value."""
-    ref.zero_grad()
-    for idx, factor in losses:
-        union = torch.tensor(_all_indices(idx.tolist()))
-        F.cross_entropy(ref(factor * data.tensors[0][union]), data.tensors[1][union]).backward()
-    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
-    return max(float((p.grad - q.grad).abs().max())
-               for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
 
 
 def check_backward_onto_gradients() -> dict[str, Any]:

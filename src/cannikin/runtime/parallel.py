@@ -629,18 +629,19 @@ class HeteroDataParallel(nn.Module):
             if not (cycle.stepping and torch.is_grad_enabled() and cycle.exchanges):
                 raise
             out = self._placeholder_after_oom(args, kwargs)
-        unmarked = ((cycle.pass_index == 0 and cycle.bwd_start is None)
-                    or (cycle.pass_index == len(cycle.passes) - 1
-                        and cycle.last_bwd_start is None))
-        if cycle.stepping and cycle.measuring and torch.is_grad_enabled() and unmarked:
-            tensor = _first_grad_tensor(out)
-            if tensor is not None:
-                tensor.register_hook(self._mark_backward_start)  # type: ignore[no-untyped-call]
-        if (cycle.stepping and cycle.pass_index == 0 and not cycle.left_checked
-                and self._several_passes and torch.is_grad_enabled()):
-            tensor = _first_grad_tensor(out)
-            if tensor is not None:
-                tensor.register_hook(self._refuse_gradients_left)  # type: ignore[no-untyped-call]
+        at_start: list[Callable[[torch.Tensor], None]] = []  # run as the backward starts
+        if cycle.stepping and torch.is_grad_enabled():
+            unmarked = ((cycle.pass_index == 0 and cycle.bwd_start is None)
+                        or (cycle.pass_index == len(cycle.passes) - 1
+                            and cycle.last_bwd_start is None))
+            if cycle.measuring and unmarked:
+                at_start.append(self._mark_backward_start)
+            if cycle.pass_index == 0 and not cycle.left_checked and self._several_passes:
+                at_start.append(self._refuse_gradients_left)
+        tensor = _first_grad_tensor(out) if at_start else None
+        if tensor is not None:
+            for hook in at_start:
+                tensor.register_hook(hook)  # type: ignore[no-untyped-call]
         if cycle.stepping and cycle.exchanges and self.comm.rows is None:
             self.comm.rows = self._exchange_rows()  # sent with a gradient bucket
         return out
