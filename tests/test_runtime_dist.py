@@ -24,7 +24,8 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "eval_between_steps", "adam_noise_reset", "noise_stride", "amp", "ddp_habits",
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
-          "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss"]
+          "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss",
+          "gan"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -331,6 +332,25 @@ def test_a_loss_summed_over_the_local_batch_is_said_once(figures: dict[str, Any]
     assert len(summed["warnings"]) == 1 and "divide the loss by len(x)" in summed["warnings"][0]
     assert not mean["summed"] and mean["slope"] < 0.2 and mean["steps"] >= 8, mean
     assert mean["warnings"] == []
+
+
+def test_a_gan_loop_is_said_unplannable_and_planned_as_the_warning_says(
+        figures: dict[str, Any]) -> None:
+    """pytorch/examples' DCGAN loop runs two backwards of the discriminator a step and its
+    forward again for the generator's step: no step could be measured, so the planner never
+    planned, without a word. Now each rank says so once, with the fix; the loop written as
+    it says is measured, and both models' gradients are one process's."""
+    found = figures["gan"]
+    naive, recipe = found["naive"], found["recipe"]
+    assert not any(naive["measured"]), naive
+    assert naive["error_d"] < 1e-5 and naive["error_g"] < 1e-5, naive  # right, only unplanned
+    assert len(found["naive_warnings"]) == 1, found["naive_warnings"]  # rank 0's, once
+    warning = found["naive_warnings"][0]
+    assert "none of the last 10 steps" in warning and "model.module(x)" in warning
+    assert "errD = errD_real + errD_fake" in warning
+    assert all(recipe["measured"]), recipe
+    assert recipe["split"] == [6, 20, 34], recipe
+    assert recipe["error_d"] < 1e-5 and recipe["error_g"] < 1e-5, recipe
 
 
 def test_every_rank_lowers_the_collective_timeout_alike(figures: dict[str, Any]) -> None:

@@ -16,7 +16,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -306,9 +307,7 @@ def _union_error(net: nn.Module, ref: nn.Module, data: torch.utils.data.TensorDa
         union = torch.tensor(_all_indices(idx.tolist()))
         F.cross_entropy(ref(factor * data.tensors[0][union].to(device)),
                         data.tensors[1][union].to(device)).backward()
-    scale = max(float(q.grad.abs().max()) for q in ref.parameters())
-    return max(float((p.grad - q.grad).abs().max())
-               for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
+    return _max_error(net, ref)
 
 
 def _hdp_gradient(device: torch.device) -> dict[str, Any]:
@@ -1360,16 +1359,35 @@ def check_summed_loss() -> dict[str, Any]:
     return {reduction: _loss_check_run(reduction) for reduction in ("sum", "mean")}
 
 
+class _KeptWarnings(logging.Handler):
+    """The warnings a logger gives while attached (:meth:`keep`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            self.messages.append(record.getMessage())
+
+    @contextmanager
+    def keep(self, name: str) -> Iterator[list[str]]:
+        logging.getLogger(name).addHandler(self)
+        try:
+            yield self.messages
+        finally:
+            logging.getLogger(name).removeHandler(self)
+
+
 def _loss_check_run(reduction: str, steps: int = 16) -> dict[str, Any]:
-    warnings: list[str] = []
+    with _KeptWarnings().keep("cannikin.runtime.planner") as warnings:
+        model = _train_loss_check(reduction, steps)
+    check = model.planner.loss_check
+    return {"summed": check.summed, "slope": check.slope, "steps": check.steps,
+            "warnings": [w for w in warnings if "looks summed" in w]}
 
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.WARNING:
-                warnings.append(record.getMessage())
 
-    keep = Keep()
-    logging.getLogger("cannikin.runtime.planner").addHandler(keep)
+def _train_loss_check(reduction: str, steps: int) -> HeteroDataParallel:
     net = _classifier()
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     loader = HeteroDataLoader(_blobs(60 * steps), batch_size=60, seed=2)
@@ -1382,10 +1400,84 @@ def _loss_check_run(reduction: str, steps: int = 16) -> dict[str, Any]:
         model.backward(F.cross_entropy(model(x), y, reduction=reduction))
         opt.step()
     model.remove_hooks()
-    logging.getLogger("cannikin.runtime.planner").removeHandler(keep)
-    check = model.planner.loss_check
-    return {"summed": check.summed, "slope": check.slope, "steps": check.steps,
-            "warnings": [w for w in warnings if "looks summed" in w]}
+    return model
+
+
+def check_gan() -> dict[str, Any]:
+    """pytorch/examples' DCGAN loop, the discriminator D trained through the loader, the
+    generator G in plain DDP on noise of the step's local batch. As DDP scripts run it (two
+    backwards a step, G's step through D's forward) no step can be measured: the warning
+    each rank gives. As the warning says (one backward of the summed loss, G's step
+    through D's plain module, G's loss weighed by ``world_size * step_share``): each
+    step measured, and both gradients against one process's, on a pinned uneven split."""
+    with _KeptWarnings().keep("cannikin.runtime.parallel") as warnings:
+        naive = _gan(recipe=False, steps=12)
+    recipe = _gan(recipe=True, steps=4)
+    return {"naive": naive, "naive_warnings": [w for w in warnings if "none of the last" in w],
+            "recipe": recipe}
+
+
+def _gan(recipe: bool, steps: int) -> dict[str, Any]:
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    net_d = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    net_g = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 16))
+    ref_d, ref_g = copy.deepcopy(net_d), copy.deepcopy(net_g)
+    opt_d = torch.optim.SGD(net_d.parameters(), lr=0.05)
+    opt_g = torch.optim.SGD(net_g.parameters(), lr=0.05)
+    data = _blobs(60 * steps)
+    noise = torch.randn(len(data), 4, generator=torch.Generator().manual_seed(1))
+    loader = HeteroDataLoader(data, batch_size=60, seed=3)
+    disc = HeteroDataParallel(net_d, opt_d, loader, split="even", slowdown=None,
+                              lr_scaling="none")
+    gen = DDP(net_g)
+    if recipe:
+        disc.pin_split([6, 20, 34][:world - 1] + [34])
+        disc.planner.config.measure_stride = 1
+    bce = F.binary_cross_entropy_with_logits
+    measured, errors_d, errors_g = [], [], []
+    for real, _, idx in loader:
+        disc.zero_grad()
+        fake = gen(noise[idx])
+        ref_d.load_state_dict(net_d.state_dict())
+        if recipe:
+            out_real, out_fake = disc(real), disc(fake.detach())
+            disc.backward(bce(out_real, torch.ones_like(out_real))
+                          + bce(out_fake, torch.zeros_like(out_fake)))
+        else:
+            out = disc(real)
+            disc.backward(bce(out, torch.ones_like(out)))
+            out = disc(fake.detach())
+            bce(out, torch.zeros_like(out)).backward()
+        union = torch.tensor(_all_indices(idx.tolist()))
+        ref_d.zero_grad()
+        ref_real, ref_fake = ref_d(data.tensors[0][union]), ref_d(net_g(noise[union]).detach())
+        (bce(ref_real, torch.ones_like(ref_real))
+         + bce(ref_fake, torch.zeros_like(ref_fake))).backward()
+        errors_d.append(_max_error(net_d, ref_d))
+        share = disc.step_share
+        opt_d.step()
+        measured.append(bool(disc.last_metrics["measured"]))
+        gen.zero_grad()
+        out = disc.module(fake) if recipe else disc(fake)
+        loss_g = bce(out, torch.ones_like(out))
+        (loss_g * (world * share) if recipe and share is not None else loss_g).backward()
+        ref_g.load_state_dict(net_g.state_dict())
+        ref_g.zero_grad()
+        ref_out = net_d(ref_g(noise[union]))
+        bce(ref_out, torch.ones_like(ref_out)).backward()
+        errors_g.append(_max_error(net_g, ref_g))
+        opt_g.step()
+    disc.remove_hooks()
+    return {"measured": measured, "error_d": max(errors_d), "error_g": max(errors_g),
+            "split": list(disc.plan.local_batches)}
+
+
+def _max_error(net: nn.Module, ref: nn.Module) -> float:
+    """Largest difference between the two models' gradients, relative to ``ref``'s largest."""
+    scale = max(float(q.grad.abs().max()) for q in ref.parameters() if q.grad is not None)
+    return max(float((p.grad - q.grad).abs().max())
+               for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
 
 
 def _stale_micro_batches() -> str:

@@ -68,6 +68,24 @@ DEFAULT_SLOWDOWN_PROFILE = (0.004, 0.0004)
 """Emulated reference forward: 4 ms + 0.4 ms per sample (a small MLP on this machine)."""
 _STATE_VERSION = 1
 NORM_STRIDE = 8
+SEVERAL_BACKWARDS, FORWARD_BETWEEN = "several backwards", "a forward between steps"
+UNMEASURED_BY = {
+    SEVERAL_BACKWARDS: (
+        "each ran several backwards (a GAN's discriminator on real, then on fake samples), "
+        "whose timings cannot be told apart",
+        "run one backward a step: sum the losses and backward once (errD = errD_real + "
+        "errD_fake; model.backward(errD)), after as many forwards as it takes"),
+    FORWARD_BETWEEN: (
+        "a forward of this model ran between steps (a GAN generator's step through this "
+        "discriminator, or an evaluation every step), which the next step's timings would "
+        "hold",
+        "call the plain module between steps, model.module(x): no DDP forward, and no "
+        "all-reduce of gradients that the next step's zero_grad() drops"),
+}
+"""Causes a script may repeat every step not to measure a step: what each is, and its fix."""
+LOST_STEPS_SAID = 10
+"""Steps in a row, each to be measured, that one of :data:`UNMEASURED_BY` kept unmeasured
+before the runtime says so (once)."""
 """Where the noise scale decides nothing (a fixed total batch and an LR rule that does not
 read it) it is still reported, from every NORM_STRIDE-th step's gradient norms: taking them
 is a pass over the gradient before and after the all-reduce, ~1 ms of CPU per step on a
@@ -129,7 +147,16 @@ class _Cycle:
     norms: bool = True
     """This step's gradient norms are taken (for the noise scale)."""
     interrupted: bool = False
-    """A forward ran between steps (an evaluation)."""
+    """A forward ran between steps (an evaluation), or a step never reached the optimizer."""
+    forward_between: bool = False
+    """A forward of this model ran since the last step ended."""
+    unmeasured_by: set[str] = field(default_factory=set)
+    """This step's causes, among :data:`UNMEASURED_BY`, not to measure it."""
+    lost: int = 0
+    """Steps in a row that the planner was to measure and one of those causes kept from it
+    (:meth:`HeteroDataParallel._count_lost`)."""
+    lost_to: set[str] = field(default_factory=set)
+    said_lost: bool = False
     scaled: bool = False
     """The LR factor is applied for this step."""
     preconditioned: bool | None = None
@@ -331,7 +358,9 @@ class HeteroDataParallel(nn.Module):
                 "over uneven batches), silently: one loader plans one model's steps. A second "
                 "model on the same batches (a GAN's generator) is not supported; give each "
                 "wrapped model a loader of its own, or wrap the second in plain "
-                "DistributedDataParallel with a batch of the same size on every rank")
+                "DistributedDataParallel with a batch of the same size on every rank, or on "
+                "the step's local batch with its mean loss times world_size * step_share of "
+                "the first (read before its optimizer step)")
         options = self._options
         precondition = Preconditioner(optimizer)
         self.comm.transform = precondition if precondition.adaptive else None
@@ -561,6 +590,8 @@ class HeteroDataParallel(nn.Module):
         interrupted = cycle.interrupted or cycle.stepping
         if cycle.stepping and self.comm.rows_at_last:
             self._reset_after_unreached_oom()
+        cycle.unmeasured_by = {FORWARD_BETWEEN} if cycle.forward_between else set()
+        cycle.forward_between = False
         cycle.exchanges = cycle.planned_measuring or self.attached.exchange_every_step
         cycle.planned_measuring = self.planner.measures(cycle.step)
         cycle.measuring = cycle.planned_measuring and not interrupted
@@ -615,7 +646,7 @@ class HeteroDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cycle = self._cycle
         if not cycle.stepping:
-            cycle.interrupted = True
+            cycle.interrupted = cycle.forward_between = True
             if self._parts is None and torch.is_grad_enabled() and not cycle.said_unattached:
                 cycle.said_unattached = True
                 logger.warning("HeteroDataParallel is not attached to an optimizer and a "
@@ -882,6 +913,9 @@ class HeteroDataParallel(nn.Module):
         end, cpu = self.clock.mark(), time.process_time()
         if self.comm.backwards > 1:  # its records hold every backward's: not one step's
             cycle.measuring = False
+            cycle.unmeasured_by.add(SEVERAL_BACKWARDS)
+        if cycle.planned_measuring:
+            self._count_lost()
         # the step's one read from the device; on a GPU every mark is complete after it,
         # so the timings below wait for nothing
         readout = self.comm.read_step(cycle.measuring and cycle.norms)
@@ -929,6 +963,28 @@ class HeteroDataParallel(nn.Module):
         }
         if self.planner.due(cycle.step):
             self._replan("cadence")
+
+    def _count_lost(self) -> None:
+        """Count a step the planner was to measure that one of :data:`UNMEASURED_BY` kept
+        from it, and say so once when :data:`LOST_STEPS_SAID` in a row were: a GAN's loop
+        as DDP scripts run it repeats both every step, and the planner, with nothing to plan
+        from, would keep the split as it is without a word. A measured step starts over."""
+        cycle = self._cycle
+        if cycle.measuring:
+            cycle.lost, cycle.lost_to = 0, set()
+        if cycle.measuring or not cycle.unmeasured_by:
+            return
+        cycle.lost += 1
+        cycle.lost_to |= cycle.unmeasured_by
+        if cycle.lost < LOST_STEPS_SAID or cycle.said_lost:
+            return
+        cycle.said_lost = True
+        causes = [UNMEASURED_BY[cause] for cause in sorted(cycle.lost_to)]
+        logger.warning("rank %d: none of the last %d steps the planner was to measure could "
+                       "be: %s. With nothing to plan from, the split stays %s (the gradients "
+                       "are right: only the speed-up is lost). To be planned, %s", self.rank,
+                       cycle.lost, "; and ".join(what for what, _ in causes),
+                       list(cycle.split or ()), "; and ".join(fix for _, fix in causes))
 
     def _follow_preconditioner(self) -> None:
         """When Adam's preconditioning starts (after its warm-up), this step's norms are the
