@@ -25,7 +25,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
           "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss",
-          "gan"]
+          "gan", "optimizer_not_attached"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -351,6 +351,15 @@ def test_a_gan_loop_is_said_unplannable_and_planned_as_the_warning_says(
     assert all(recipe["measured"]), recipe
     assert recipe["split"] == [6, 20, 34], recipe
     assert recipe["error_d"] < 1e-5 and recipe["error_g"] < 1e-5, recipe
+
+
+def test_steps_without_the_attached_optimizer_are_said_once(figures: dict[str, Any]) -> None:
+    """Another optimizer than the attached one steps: no step ends, none is measured, and
+    the planner never plans; each rank says so once, naming the optimizer to step."""
+    found = figures["optimizer_not_attached"]
+    assert len(found["warnings"]) == 1, found
+    assert "without a step of the optimizer given to attach()" in found["warnings"][0]
+    assert found["step"] is None  # no step reached the attached optimizer's hooks
 
 
 def test_every_rank_lowers_the_collective_timeout_alike(figures: dict[str, Any]) -> None:

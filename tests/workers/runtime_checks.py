@@ -1417,6 +1417,24 @@ def check_gan() -> dict[str, Any]:
             "recipe": recipe}
 
 
+def check_optimizer_not_attached() -> dict[str, Any]:
+    """A script steps another optimizer than the one given to attach() (built again after
+    it, say): the gradients are right, no step is measured, and each rank says why once."""
+    net = _classifier()
+    attached = torch.optim.SGD(net.parameters(), lr=0.05)
+    stepped = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(_blobs(30 * 14), batch_size=30, seed=3)
+    model = HeteroDataParallel(net, attached, loader, split="even", slowdown=None)
+    with _KeptWarnings().keep("cannikin.runtime.parallel") as warnings:
+        for x, y, _ in loader:
+            stepped.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            stepped.step()
+    model.remove_hooks()
+    return {"warnings": [w for w in warnings if "none of the last" in w],
+            "step": model.last_metrics.get("step")}
+
+
 def _gan(recipe: bool, steps: int) -> dict[str, Any]:
     world = dist.get_world_size()
     torch.manual_seed(0)

@@ -69,6 +69,7 @@ DEFAULT_SLOWDOWN_PROFILE = (0.004, 0.0004)
 _STATE_VERSION = 1
 NORM_STRIDE = 8
 SEVERAL_BACKWARDS, FORWARD_BETWEEN = "several backwards", "a forward between steps"
+UNSTEPPED = "no optimizer step"
 UNMEASURED_BY = {
     SEVERAL_BACKWARDS: (
         "each ran several backwards (a GAN's discriminator on real, then on fake samples), "
@@ -81,6 +82,10 @@ UNMEASURED_BY = {
         "hold",
         "call the plain module between steps, model.module(x): no DDP forward, and no "
         "all-reduce of gradients that the next step's zero_grad() drops"),
+    UNSTEPPED: (
+        "each ended without a step of the optimizer given to attach() (another optimizer "
+        "stepped, or AMP's GradScaler skipped every step: its gradients overflowed)",
+        "step the optimizer HeteroDataParallel was attached to: one built later is not seen"),
 }
 """Causes a script may repeat every step not to measure a step: what each is, and its fix."""
 LOST_STEPS_SAID = 10
@@ -590,6 +595,8 @@ class HeteroDataParallel(nn.Module):
         interrupted = cycle.interrupted or cycle.stepping
         if cycle.stepping and self.comm.rows_at_last:
             self._reset_after_unreached_oom()
+        if cycle.stepping and cycle.planned_measuring:  # the step before had no optimizer step
+            self._count_lost({UNSTEPPED}, measured=False)
         cycle.unmeasured_by = {FORWARD_BETWEEN} if cycle.forward_between else set()
         cycle.forward_between = False
         cycle.exchanges = cycle.planned_measuring or self.attached.exchange_every_step
@@ -915,7 +922,7 @@ class HeteroDataParallel(nn.Module):
             cycle.measuring = False
             cycle.unmeasured_by.add(SEVERAL_BACKWARDS)
         if cycle.planned_measuring:
-            self._count_lost()
+            self._count_lost(cycle.unmeasured_by, measured=cycle.measuring)
         # the step's one read from the device; on a GPU every mark is complete after it,
         # so the timings below wait for nothing
         readout = self.comm.read_step(cycle.measuring and cycle.norms)
@@ -964,27 +971,28 @@ class HeteroDataParallel(nn.Module):
         if self.planner.due(cycle.step):
             self._replan("cadence")
 
-    def _count_lost(self) -> None:
-        """Count a step the planner was to measure that one of :data:`UNMEASURED_BY` kept
-        from it, and say so once when :data:`LOST_STEPS_SAID` in a row were: a GAN's loop
-        as DDP scripts run it repeats both every step, and the planner, with nothing to plan
-        from, would keep the split as it is without a word. A measured step starts over."""
+    def _count_lost(self, causes: set[str], measured: bool) -> None:
+        """Count a step the planner was to measure that ``causes`` (of :data:`UNMEASURED_BY`)
+        kept from it, and say so once when :data:`LOST_STEPS_SAID` in a row were: a GAN's
+        loop as DDP scripts run it repeats two of them every step, and the planner, with
+        nothing to plan from, would keep the split as it is without a word. A measured step
+        starts the count over."""
         cycle = self._cycle
-        if cycle.measuring:
+        if measured:
             cycle.lost, cycle.lost_to = 0, set()
-        if cycle.measuring or not cycle.unmeasured_by:
+        if measured or not causes:
             return
         cycle.lost += 1
-        cycle.lost_to |= cycle.unmeasured_by
+        cycle.lost_to |= causes
         if cycle.lost < LOST_STEPS_SAID or cycle.said_lost:
             return
         cycle.said_lost = True
-        causes = [UNMEASURED_BY[cause] for cause in sorted(cycle.lost_to)]
+        said = [UNMEASURED_BY[cause] for cause in sorted(cycle.lost_to)]
         logger.warning("rank %d: none of the last %d steps the planner was to measure could "
                        "be: %s. With nothing to plan from, the split stays %s (the gradients "
                        "are right: only the speed-up is lost). To be planned, %s", self.rank,
-                       cycle.lost, "; and ".join(what for what, _ in causes),
-                       list(cycle.split or ()), "; and ".join(fix for _, fix in causes))
+                       cycle.lost, "; and ".join(what for what, _ in said),
+                       list(cycle.split or ()), "; and ".join(fix for _, fix in said))
 
     def _follow_preconditioner(self) -> None:
         """When Adam's preconditioning starts (after its warm-up), this step's norms are the
