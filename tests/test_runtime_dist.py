@@ -25,7 +25,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
           "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss",
-          "gan", "optimizer_not_attached"]
+          "gan", "unplannable_loops"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -353,13 +353,19 @@ def test_a_gan_loop_is_said_unplannable_and_planned_as_the_warning_says(
     assert recipe["error_d"] < 1e-5 and recipe["error_g"] < 1e-5, recipe
 
 
-def test_steps_without_the_attached_optimizer_are_said_once(figures: dict[str, Any]) -> None:
-    """Another optimizer than the attached one steps: no step ends, none is measured, and
-    the planner never plans; each rank says so once, naming the optimizer to step."""
-    found = figures["optimizer_not_attached"]
-    assert len(found["warnings"]) == 1, found
-    assert "without a step of the optimizer given to attach()" in found["warnings"][0]
-    assert found["step"] is None  # no step reached the attached optimizer's hooks
+def test_loops_that_cannot_be_measured_are_said_once(figures: dict[str, Any]) -> None:
+    """Another optimizer than the attached one steps (no step ends, so none is measured),
+    or LBFGS runs the step's forwards and backwards inside ``step(closure)``, after the
+    runtime read the step (its timings were then the step before's, planned from as if
+    they were right): each rank says once why the planner has nothing to plan from."""
+    found = figures["unplannable_loops"]
+    other, closure = found["other_optimizer"], found["closure"]
+    assert len(other["warnings"]) == 1, other
+    assert "without a step of the optimizer given to attach()" in other["warnings"][0]
+    assert set(other["measured"]) == {None}, other  # no step reached the attached optimizer
+    assert len(closure["warnings"]) == 1, closure
+    assert "inside optimizer.step(closure)" in closure["warnings"][0]
+    assert closure["measured"] == [False] * 14, closure
 
 
 def test_every_rank_lowers_the_collective_timeout_alike(figures: dict[str, Any]) -> None:

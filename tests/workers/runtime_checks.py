@@ -10,6 +10,7 @@ names another; checks named ``cuda_*`` run the check of the rest of the name on 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -1417,22 +1418,43 @@ def check_gan() -> dict[str, Any]:
             "recipe": recipe}
 
 
-def check_optimizer_not_attached() -> dict[str, Any]:
-    """A script steps another optimizer than the one given to attach() (built again after
-    it, say): the gradients are right, no step is measured, and each rank says why once."""
+def check_unplannable_loops() -> dict[str, Any]:
+    """Loops whose steps the runtime cannot measure, each said once per rank: a script that
+    steps another optimizer than the one given to attach() (built again after it, say), and
+    an optimizer that runs its forwards and backwards inside ``step(closure)`` (LBFGS)."""
+    return {"other_optimizer": _unplannable(closure=False),
+            "closure": _unplannable(closure=True)}
+
+
+def _unplannable(closure: bool) -> dict[str, Any]:
     net = _classifier()
-    attached = torch.optim.SGD(net.parameters(), lr=0.05)
-    stepped = torch.optim.SGD(net.parameters(), lr=0.05)
+    attached: torch.optim.Optimizer = (torch.optim.LBFGS(net.parameters(), lr=0.1, max_iter=3)
+                                       if closure else torch.optim.SGD(net.parameters(), lr=0.05))
+    stepped = attached if closure else torch.optim.SGD(net.parameters(), lr=0.05)
     loader = HeteroDataLoader(_blobs(30 * 14), batch_size=30, seed=3)
     model = HeteroDataParallel(net, attached, loader, split="even", slowdown=None)
+    measured = []
     with _KeptWarnings().keep("cannikin.runtime.parallel") as warnings:
         for x, y, _ in loader:
-            stepped.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            stepped.step()
+            loss = functools.partial(_closure_loss, model, stepped, x, y)
+            if closure:
+                stepped.step(loss)
+            else:
+                loss()
+                stepped.step()
+            measured.append(model.last_metrics.get("measured"))
     model.remove_hooks()
     return {"warnings": [w for w in warnings if "none of the last" in w],
-            "step": model.last_metrics.get("step")}
+            "measured": measured}
+
+
+def _closure_loss(model: HeteroDataParallel, optimizer: torch.optim.Optimizer,
+                  x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """An optimizer's closure: zero the gradients, then the loss and its backward."""
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
 
 
 def _gan(recipe: bool, steps: int) -> dict[str, Any]:

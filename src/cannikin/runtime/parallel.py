@@ -69,7 +69,7 @@ DEFAULT_SLOWDOWN_PROFILE = (0.004, 0.0004)
 _STATE_VERSION = 1
 NORM_STRIDE = 8
 SEVERAL_BACKWARDS, FORWARD_BETWEEN = "several backwards", "a forward between steps"
-UNSTEPPED = "no optimizer step"
+UNSTEPPED, CLOSURE = "no optimizer step", "a closure"
 UNMEASURED_BY = {
     SEVERAL_BACKWARDS: (
         "each ran several backwards (a GAN's discriminator on real, then on fake samples), "
@@ -86,6 +86,11 @@ UNMEASURED_BY = {
         "each ended without a step of the optimizer given to attach() (another optimizer "
         "stepped, or AMP's GradScaler skipped every step: its gradients overflowed)",
         "step the optimizer HeteroDataParallel was attached to: one built later is not seen"),
+    CLOSURE: (
+        "each ran its forwards and backwards inside optimizer.step(closure) (LBFGS), after "
+        "the runtime reads the step's timings",
+        "train with an optimizer that steps without a closure: one that evaluates it "
+        "several times a step cannot be planned"),
 }
 """Causes a script may repeat every step not to measure a step: what each is, and its fix."""
 LOST_STEPS_SAID = 10
@@ -921,6 +926,10 @@ class HeteroDataParallel(nn.Module):
         if self.comm.backwards > 1:  # its records hold every backward's: not one step's
             cycle.measuring = False
             cycle.unmeasured_by.add(SEVERAL_BACKWARDS)
+        closure = args[0] if args else kwargs.get("closure")
+        if closure is not None and not self.comm.backwards:  # its passes run after this hook
+            cycle.measuring = False
+            cycle.unmeasured_by.add(CLOSURE)
         if cycle.planned_measuring:
             self._count_lost(cycle.unmeasured_by, measured=cycle.measuring)
         # the step's one read from the device; on a GPU every mark is complete after it,
