@@ -366,6 +366,7 @@ def test_loops_that_cannot_be_measured_are_said_once(figures: dict[str, Any]) ->
     assert len(closure["warnings"]) == 1, closure
     assert "inside optimizer.step(closure)" in closure["warnings"][0]
     assert closure["measured"] == [False] * 14, closure
+    assert found["evaluation"] == []  # an evaluation over the loader trains nothing: no word
 
 
 def test_every_rank_lowers_the_collective_timeout_alike(figures: dict[str, Any]) -> None:

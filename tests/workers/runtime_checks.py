@@ -1421,9 +1421,24 @@ def check_gan() -> dict[str, Any]:
 def check_unplannable_loops() -> dict[str, Any]:
     """Loops whose steps the runtime cannot measure, each said once per rank: a script that
     steps another optimizer than the one given to attach() (built again after it, say), and
-    an optimizer that runs its forwards and backwards inside ``step(closure)`` (LBFGS)."""
+    an optimizer that runs its forwards and backwards inside ``step(closure)`` (LBFGS); and
+    an evaluation over the training loader, which is not one."""
     return {"other_optimizer": _unplannable(closure=False),
-            "closure": _unplannable(closure=True)}
+            "closure": _unplannable(closure=True), "evaluation": _evaluation_warnings()}
+
+
+def _evaluation_warnings() -> list[str]:
+    """An evaluation that iterates the training loader (no backward, no optimizer step)
+    for as many steps as the others: nothing to say."""
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(_blobs(30 * 14), batch_size=30, seed=3)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None)
+    with _KeptWarnings().keep("cannikin.runtime.parallel") as warnings, torch.no_grad():
+        for x, _, _ in loader:
+            model(x)
+    model.remove_hooks()
+    return [w for w in warnings if "none of the last" in w]
 
 
 def _unplannable(closure: bool) -> dict[str, Any]:

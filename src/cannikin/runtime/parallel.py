@@ -600,7 +600,9 @@ class HeteroDataParallel(nn.Module):
         interrupted = cycle.interrupted or cycle.stepping
         if cycle.stepping and self.comm.rows_at_last:
             self._reset_after_unreached_oom()
-        if cycle.stepping and cycle.planned_measuring:  # the step before had no optimizer step
+        if cycle.stepping and cycle.planned_measuring and self.comm.backwards:
+            # the step before trained, but without an optimizer step (not one of an
+            # evaluation that iterates the loader: no backward)
             self._count_lost({UNSTEPPED}, measured=False)
         cycle.unmeasured_by = {FORWARD_BETWEEN} if cycle.forward_between else set()
         cycle.forward_between = False
