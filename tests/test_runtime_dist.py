@@ -361,7 +361,7 @@ def test_loops_that_cannot_be_measured_are_said_once(figures: dict[str, Any]) ->
     found = figures["unplannable_loops"]
     other, closure = found["other_optimizer"], found["closure"]
     assert len(other["warnings"]) == 1, other
-    assert "without a step of the optimizer given to attach()" in other["warnings"][0]
+    assert "ended without a step of the optimizer given to attach()" in other["warnings"][0]
     assert set(other["measured"]) == {None}, other  # no step reached the attached optimizer
     assert len(closure["warnings"]) == 1, closure
     assert "inside optimizer.step(closure)" in closure["warnings"][0]

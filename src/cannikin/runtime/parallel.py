@@ -83,9 +83,13 @@ UNMEASURED_BY = {
         "call the plain module between steps, model.module(x): no DDP forward, and no "
         "all-reduce of gradients that the next step's zero_grad() drops"),
     UNSTEPPED: (
-        "each ended without a step of the optimizer given to attach() (another optimizer "
-        "stepped, or AMP's GradScaler skipped every step: its gradients overflowed)",
-        "step the optimizer HeteroDataParallel was attached to: one built later is not seen"),
+        "each ran a backward but ended without a step of the optimizer given to attach() "
+        "(gradients summed over several of the loader's steps before one update, another "
+        "optimizer stepping, or AMP's GradScaler skipping every step: its gradients "
+        "overflowed)",
+        "take one step of the attached optimizer per step of the loader (to accumulate over "
+        "more samples, raise batch_size; max_local_batch= and max_micro_batches= bound each "
+        "worker's memory)"),
     CLOSURE: (
         "each ran its forwards and backwards inside optimizer.step(closure) (LBFGS), after "
         "the runtime reads the step's timings",
