@@ -381,7 +381,7 @@ def _train_hetero(device: torch.device) -> dict[str, Any]:
     os.environ["CANNIKIN_SLOWDOWN"] = "4,2,1"
     data = _blobs(6000)
     out: dict[str, Any] = {}
-    for phase, steps in (("even", 16), ("optimal", 60)):
+    for phase, steps in (("even", 16), ("optimal", 80)):
         net = _classifier().to(device)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         loader = HeteroDataLoader(data, batch_size=96, seed=1)
@@ -407,6 +407,7 @@ def _train_hetero(device: torch.device) -> dict[str, Any]:
             "window_error": tracker.median_window_error(),
             "step_error": tracker.median_step_error(),
             "windows": tracker.window_errors(),
+            "chosen_windows": model.planner.chosen_tracker.window_errors(),
             "distinct_samples": len(set(everyone)), "samples": len(everyone),
             "rows": sink.rows[-3:], "timings": _timings(sink.rows),
         }

@@ -995,7 +995,7 @@ class HeteroDataParallel(nn.Module):
         cycle = self._cycle
         if measured:
             cycle.lost, cycle.lost_to = 0, set()
-        if measured or not causes:
+        if measured or not causes or self._removed:  # after remove_hooks(): not planning
             return
         cycle.lost += 1
         cycle.lost_to |= causes
