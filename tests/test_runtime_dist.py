@@ -259,7 +259,7 @@ def test_prediction_error_of_window_mean_step_time(api_figures: dict[str, Any]) 
     """The windows of the splits the planner chose, not those of a probe or a trial of a
     worker at 0 samples, which explore where the model is least sure: with them the median
     read 0.104-0.115 in 2 of 6 runs of 60 steps (a trial's window and the one before it
-    11-13% off), 0.009-0.047 in the others; the chosen ones 0.011-0.045 in 6 of 80 steps."""
+    11-13% off), 0.009-0.047 in the others; the chosen ones 0.011-0.045 in 6 runs of 80 steps."""
     opt = api_figures["train_hetero"]["optimal"]
     chosen = opt["chosen_windows"]
     assert len(chosen) >= 3  # re-plans back off (5, 10, 20 .. steps) once stable
