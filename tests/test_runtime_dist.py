@@ -356,6 +356,9 @@ def test_a_gan_loop_is_said_unplannable_and_planned_as_the_warning_says(
     assert all(recipe["measured"]), recipe
     assert recipe["split"] == [6, 20, 34], recipe
     assert recipe["error_d"] < 1e-5 and recipe["error_g"] < 1e-5, recipe
+    # the plain module where the step's own loss is made: refused before the update, which
+    # would have stepped each rank on its own gradient
+    assert "gradients were never all-reduced" in found["module_step_refused"]
 
 
 def test_loops_that_cannot_be_measured_are_said_once(figures: dict[str, Any]) -> None:

@@ -1416,7 +1416,27 @@ def check_gan() -> dict[str, Any]:
         naive = _gan(recipe=False, steps=12)
     recipe = _gan(recipe=True, steps=4)
     return {"naive": naive, "naive_warnings": [w for w in warnings if "none of the last" in w],
-            "recipe": recipe}
+            "recipe": recipe, "module_step_refused": _module_step_refused()}
+
+
+def _module_step_refused() -> str:
+    """A step's loss made by the plain module (what the GAN recipe does for the generator's
+    step), then the optimizer step: the error every rank raises (empty: none)."""
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(_blobs(60), batch_size=30, seed=3)
+    model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None)
+    refused = ""
+    for x, y, _ in loader:
+        opt.zero_grad()
+        model.backward(F.cross_entropy(model.module(x), y))
+        try:
+            opt.step()
+        except RuntimeError as error:
+            refused = str(error)
+        break
+    model.remove_hooks()
+    return refused
 
 
 def check_unplannable_loops() -> dict[str, Any]:

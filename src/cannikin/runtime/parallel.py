@@ -928,11 +928,14 @@ class HeteroDataParallel(nn.Module):
                 f"step's {len(cycle.passes)} micro-batches: run forward and backward on every "
                 f"micro-batch of `for x, y in step` before the optimizer step (the gradient "
                 f"is all-reduced after the last one only)")
+        # torch hands the step's own arguments, the optimizer first
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if closure is None and not self.comm.backwards:
+            self._refuse_unreduced_gradients()
         end, cpu = self.clock.mark(), time.process_time()
         if self.comm.backwards > 1:  # its records hold every backward's: not one step's
             cycle.measuring = False
             cycle.unmeasured_by.add(SEVERAL_BACKWARDS)
-        closure = args[0] if args else kwargs.get("closure")
         if closure is not None and not self.comm.backwards:  # its passes run after this hook
             cycle.measuring = False
             cycle.unmeasured_by.add(CLOSURE)
@@ -985,6 +988,20 @@ class HeteroDataParallel(nn.Module):
         }
         if self.planner.due(cycle.step):
             self._replan("cadence")
+
+    def _refuse_unreduced_gradients(self) -> None:
+        """No backward of this step reached DDP's all-reduce, yet there are gradients: a loss
+        made by ``model.module(x)`` (no DDP forward, so no all-reduce), or by another model.
+        Each rank would step on its own gradient and the replicas drift apart, silently.
+        Raised before the update; every rank running the same script raises alike."""
+        if any(p.grad is not None for p in self._trained):
+            raise RuntimeError(
+                f"rank {self.rank}: the optimizer step's gradients were never all-reduced: no "
+                f"backward of this step went through this model's forward (a loss made by "
+                f"model.module(x) runs no DDP forward), so each rank would update with its own "
+                f"gradient and the replicas would drift apart. Make the step's loss with "
+                f"model(x); model.module(x) is for a forward whose gradients the step drops "
+                f"(a GAN generator's step through its discriminator)")
 
     def _count_lost(self, causes: set[str], measured: bool) -> None:
         """Count a step the planner was to measure that ``causes`` (of :data:`UNMEASURED_BY`)
