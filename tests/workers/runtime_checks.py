@@ -1412,7 +1412,7 @@ def check_gan() -> dict[str, Any]:
     each rank gives. As the warning says (one backward of the summed loss, G's step
     through D's plain module, G's loss weighed by ``world_size * step_share``): each
     step measured, and both gradients against one process's, on a pinned uneven split."""
-    with _KeptWarnings().keep("cannikin.runtime.parallel") as warnings:
+    with _KeptWarnings().keep("cannikin.runtime.unmeasured") as warnings:
         naive = _gan(recipe=False, steps=12)
     recipe = _gan(recipe=True, steps=4)
     return {"naive": naive, "naive_warnings": [w for w in warnings if "none of the last" in w],
@@ -1455,7 +1455,7 @@ def _evaluation_warnings() -> list[str]:
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     loader = HeteroDataLoader(_blobs(30 * 14), batch_size=30, seed=3)
     model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None)
-    with _KeptWarnings().keep("cannikin.runtime.parallel") as warnings, torch.no_grad():
+    with _KeptWarnings().keep("cannikin.runtime.unmeasured") as warnings, torch.no_grad():
         for x, _, _ in loader:
             model(x)
     model.remove_hooks()
@@ -1470,7 +1470,7 @@ def _unplannable(closure: bool) -> dict[str, Any]:
     loader = HeteroDataLoader(_blobs(30 * 14), batch_size=30, seed=3)
     model = HeteroDataParallel(net, attached, loader, split="even", slowdown=None)
     measured = []
-    with _KeptWarnings().keep("cannikin.runtime.parallel") as warnings:
+    with _KeptWarnings().keep("cannikin.runtime.unmeasured") as warnings:
         for x, y, _ in loader:
             loss = functools.partial(_closure_loss, model, stepped, x, y)
             if closure:

@@ -59,6 +59,13 @@ from cannikin.runtime.quota import own_cpu_limit
 from cannikin.runtime.routes import IdleRoutes, largest_batch_rank
 from cannikin.runtime.step_timeout import StepTimeout
 from cannikin.runtime.timing import Clock, clock_for
+from cannikin.runtime.unmeasured import (
+    CLOSURE,
+    FORWARD_BETWEEN,
+    SEVERAL_BACKWARDS,
+    UNSTEPPED,
+    LostSteps,
+)
 from cannikin.scaling import RULES, LRScaler
 
 logger = logging.getLogger(__name__)
@@ -68,38 +75,6 @@ DEFAULT_SLOWDOWN_PROFILE = (0.004, 0.0004)
 """Emulated reference forward: 4 ms + 0.4 ms per sample (a small MLP on this machine)."""
 _STATE_VERSION = 1
 NORM_STRIDE = 8
-SEVERAL_BACKWARDS, FORWARD_BETWEEN = "several backwards", "a forward between steps"
-UNSTEPPED, CLOSURE = "no optimizer step", "a closure"
-UNMEASURED_BY = {
-    SEVERAL_BACKWARDS: (
-        "each ran several backwards (a GAN's discriminator on real, then on fake samples), "
-        "whose timings cannot be told apart",
-        "run one backward a step: sum the losses and backward once (errD = errD_real + "
-        "errD_fake; model.backward(errD)), after as many forwards as it takes"),
-    FORWARD_BETWEEN: (
-        "a forward of this model ran between steps (a GAN generator's step through this "
-        "discriminator, or an evaluation every step), which the next step's timings would "
-        "hold",
-        "call the plain module between steps, model.module(x): no DDP forward, and no "
-        "all-reduce of gradients that the next step's zero_grad() drops"),
-    UNSTEPPED: (
-        "each ran a backward but ended without a step of the optimizer given to attach() "
-        "(gradients summed over several of the loader's steps before one update, another "
-        "optimizer stepping, or AMP's GradScaler skipping every step: its gradients "
-        "overflowed)",
-        "take one step of the attached optimizer per step of the loader (to accumulate over "
-        "more samples, raise batch_size; max_local_batch= and max_micro_batches= bound each "
-        "worker's memory)"),
-    CLOSURE: (
-        "each ran its forwards and backwards inside optimizer.step(closure) (LBFGS), after "
-        "the runtime reads the step's timings",
-        "train with an optimizer that steps without a closure: one that evaluates it "
-        "several times a step cannot be planned"),
-}
-"""Causes a script may repeat every step not to measure a step: what each is, and its fix."""
-LOST_STEPS_SAID = 10
-"""Steps in a row, each to be measured, that one of :data:`UNMEASURED_BY` kept unmeasured
-before the runtime says so (once)."""
 """Where the noise scale decides nothing (a fixed total batch and an LR rule that does not
 read it) it is still reported, from every NORM_STRIDE-th step's gradient norms: taking them
 is a pass over the gradient before and after the all-reduce, ~1 ms of CPU per step on a
@@ -165,12 +140,9 @@ class _Cycle:
     forward_between: bool = False
     """A forward of this model ran since the last step ended."""
     unmeasured_by: set[str] = field(default_factory=set)
-    """This step's causes, among :data:`UNMEASURED_BY`, not to measure it."""
-    lost: int = 0
-    """Steps in a row that the planner was to measure and one of those causes kept from it
-    (:meth:`HeteroDataParallel._count_lost`)."""
-    lost_to: set[str] = field(default_factory=set)
-    said_lost: bool = False
+    """This step's causes not to measure it, of :data:`~cannikin.runtime.unmeasured.CAUSES`."""
+    lost: LostSteps = field(default_factory=LostSteps)
+    """Steps the planner was to measure that such causes kept from it, in a row."""
     scaled: bool = False
     """The LR factor is applied for this step."""
     preconditioned: bool | None = None
@@ -1004,27 +976,9 @@ class HeteroDataParallel(nn.Module):
                 f"(a GAN generator's step through its discriminator)")
 
     def _count_lost(self, causes: set[str], measured: bool) -> None:
-        """Count a step the planner was to measure that ``causes`` (of :data:`UNMEASURED_BY`)
-        kept from it, and say so once when :data:`LOST_STEPS_SAID` in a row were: a GAN's
-        loop as DDP scripts run it repeats two of them every step, and the planner, with
-        nothing to plan from, would keep the split as it is without a word. A measured step
-        starts the count over."""
-        cycle = self._cycle
-        if measured:
-            cycle.lost, cycle.lost_to = 0, set()
-        if measured or not causes or self._removed:  # after remove_hooks(): not planning
-            return
-        cycle.lost += 1
-        cycle.lost_to |= causes
-        if cycle.lost < LOST_STEPS_SAID or cycle.said_lost:
-            return
-        cycle.said_lost = True
-        said = [UNMEASURED_BY[cause] for cause in sorted(cycle.lost_to)]
-        logger.warning("rank %d: none of the last %d steps the planner was to measure could "
-                       "be: %s. With nothing to plan from, the split stays %s (the gradients "
-                       "are right: only the speed-up is lost). To be planned, %s", self.rank,
-                       cycle.lost, "; and ".join(what for what, _ in said),
-                       list(cycle.split or ()), "; and ".join(fix for _, fix in said))
+        """:meth:`LostSteps.count` this step, unless the hooks were removed (not planning)."""
+        if not self._removed:
+            self._cycle.lost.count(causes, measured, self.rank, self._cycle.split)
 
     def _follow_preconditioner(self) -> None:
         """When Adam's preconditioning starts (after its warm-up), this step's norms are the
