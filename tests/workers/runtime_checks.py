@@ -1463,6 +1463,8 @@ def _evaluation_warnings() -> list[str]:
 
 
 def _unplannable(closure: bool) -> dict[str, Any]:
+    """14 steps of another optimizer than the attached one, or of LBFGS's closure: the
+    warnings given and whether each step was measured."""
     net = _classifier()
     attached: torch.optim.Optimizer = (torch.optim.LBFGS(net.parameters(), lr=0.1, max_iter=3)
                                        if closure else torch.optim.SGD(net.parameters(), lr=0.05))
@@ -1494,6 +1496,9 @@ def _closure_loss(model: HeteroDataParallel, optimizer: torch.optim.Optimizer,
 
 
 def _gan(recipe: bool, steps: int) -> dict[str, Any]:
+    """``steps`` of the DCGAN loop as DDP scripts write it, or as the warning says (on a
+    pinned uneven split): whether each was measured, and both models' largest gradient
+    error against one process's."""
     world = dist.get_world_size()
     torch.manual_seed(0)
     net_d = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
