@@ -902,15 +902,16 @@ class HeteroDataParallel(nn.Module):
                 f"is all-reduced after the last one only)")
         # torch hands the step's own arguments, the optimizer first
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        if closure is None and not self.comm.backwards:
-            self._refuse_unreduced_gradients()
+        if not self.comm.backwards:
+            if closure is None:
+                self._refuse_unreduced_gradients()
+            else:  # its passes run after this hook
+                cycle.measuring = False
+                cycle.unmeasured_by.add(CLOSURE)
         end, cpu = self.clock.mark(), time.process_time()
         if self.comm.backwards > 1:  # its records hold every backward's: not one step's
             cycle.measuring = False
             cycle.unmeasured_by.add(SEVERAL_BACKWARDS)
-        if closure is not None and not self.comm.backwards:  # its passes run after this hook
-            cycle.measuring = False
-            cycle.unmeasured_by.add(CLOSURE)
         if cycle.planned_measuring:
             self._count_lost(cycle.unmeasured_by, measured=cycle.measuring)
         # the step's one read from the device; on a GPU every mark is complete after it,
@@ -966,7 +967,7 @@ class HeteroDataParallel(nn.Module):
         made by ``model.module(x)`` (no DDP forward, so no all-reduce), or by another model.
         Each rank would step on its own gradient and the replicas drift apart, silently.
         Raised before the update; every rank running the same script raises alike."""
-        if any(p.grad is not None for p in self._trained):
+        if not self._gradients_clear(values=False):
             raise RuntimeError(
                 f"rank {self.rank}: the optimizer step's gradients were never all-reduced: no "
                 f"backward of this step went through this model's forward (a loss made by "
