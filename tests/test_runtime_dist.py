@@ -330,13 +330,18 @@ def test_backwards_onto_gradients_sum_as_with_ddp(figures: dict[str, Any]) -> No
 
 def test_a_loss_summed_over_the_local_batch_is_said_once(figures: dict[str, Any]) -> None:
     """Weights b_i / B make the mean gradient of a mean loss only: a summed one is found
-    from the workers' norms on the uneven split and logged once on rank 0; a mean is not."""
+    from the workers' per-sample gradients at the output on the uneven split and logged
+    once on rank 0; a mean is not, also trained to a loss near 0 (where, judged by the
+    squared norms of the workers' mean gradients, it passed for a sum in 4 runs of 4)."""
     found = figures["summed_loss"]
     summed, mean = found["sum"], found["mean"]
-    assert summed["summed"] and summed["slope"] > 0.8 and summed["steps"] >= 8, summed
+    assert summed["summed"] and abs(summed["slope"]) < 0.3 and summed["steps"] >= 8, summed
     assert len(summed["warnings"]) == 1 and "divide the loss by len(x)" in summed["warnings"][0]
-    assert not mean["summed"] and mean["slope"] < 0.2 and mean["steps"] >= 8, mean
+    assert not mean["summed"] and abs(mean["slope"] + 1) < 0.1 and mean["steps"] >= 8, mean
     assert mean["warnings"] == []
+    converged = found["mean_converged"]
+    assert converged["last_loss"] < 1e-3 and converged["steps"] >= 8, converged
+    assert not converged["summed"] and converged["warnings"] == [], converged
 
 
 def test_a_gan_loop_is_said_unplannable_and_planned_as_the_warning_says(

@@ -379,20 +379,23 @@ def test_resume_with_another_world_size_plans_at_once_from_cached_models() -> No
 def test_report_vector_round_trip_and_bucket_merging() -> None:
     timing = StepReport(batch=7, sqnorm=2.5, fwd_s=0.1, bwd_s=0.2, step_s=0.4,
                         ready_fractions=(0.5, 1.0), allreduce_s=(0.01, 0.02), cpu_s=0.03,
-                        cpu_cores=0.25, global_sqnorm=3.5)
+                        cpu_cores=0.25, global_sqnorm=3.5, output_grad=0.7)
     for report in (WorkerReport(batch=9, oom=True, previous=timing), WorkerReport(batch=0)):
         vector = report.to_vector()
         assert len(vector) == REPORT_SIZE
         assert WorkerReport.from_vector(vector) == report
-    unmeasured = dataclasses.replace(timing, global_sqnorm=None)  # the norms not taken
+    # the norms not taken
+    unmeasured = dataclasses.replace(timing, global_sqnorm=None, output_grad=0.0)
     assert StepReport.from_vector(unmeasured.to_vector()) == unmeasured
     replanned = dataclasses.replace(timing, plan_s=0.02)
     assert StepReport.from_vector(replanned.to_vector()) == replanned
     # rank checkpoints of older versions
     assert StepReport.from_vector(replanned.to_vector()[:-1]) == dataclasses.replace(
-        replanned, global_sqnorm=None)
-    assert StepReport.from_vector(replanned.to_vector()[:-2]) == unmeasured
-    assert StepReport.from_vector(timing.to_vector()[:-4]) == dataclasses.replace(
+        replanned, output_grad=0.0)
+    assert StepReport.from_vector(replanned.to_vector()[:-2]) == dataclasses.replace(
+        replanned, global_sqnorm=None, output_grad=0.0)
+    assert StepReport.from_vector(replanned.to_vector()[:-3]) == unmeasured
+    assert StepReport.from_vector(timing.to_vector()[:-5]) == dataclasses.replace(
         unmeasured, cpu_s=0.0, cpu_cores=0.0)
     ready, comm = merge_buckets([i / 40 for i in range(1, 41)], [0.001] * 40, MAX_BUCKETS)
     assert len(ready) == MAX_BUCKETS and ready[-1] == 1.0
@@ -451,7 +454,7 @@ def test_reports_with_passes_round_trip_and_older_rank_checkpoints_load() -> Non
     older = vector[:1] + vector[2:7 + 2 * MAX_BUCKETS]  # before timed_batch and passes
     assert StepReport.from_vector(older) == one_pass
     with pytest.raises(ValueError, match="a step report has"):
-        StepReport.from_vector(vector[:-3])
+        StepReport.from_vector(vector[:-4])
 
 
 def _grouped_step(planner: Planner, previous: list[StepReport], global_sqnorm: float) -> None:

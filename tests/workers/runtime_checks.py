@@ -1357,8 +1357,11 @@ def check_backward_onto_gradients() -> dict[str, Any]:
 def check_summed_loss() -> dict[str, Any]:
     """A loss summed over the local batch (pytorch/examples' VAE) and the mean, on a pinned
     uneven split, the noise scale deciding (norms on every measured step): what the loss
-    check concluded, and the warnings rank 0 logged."""
-    return {reduction: _loss_check_run(reduction) for reduction in ("sum", "mean")}
+    check concluded, and the warnings rank 0 logged. Also a mean loss trained to near 0
+    (through a plain ``loss.backward()``), where the squared norms of the workers' mean
+    gradients grow with their batches."""
+    return {"sum": _loss_check_run("sum"), "mean": _loss_check_run("mean"),
+            "mean_converged": _loss_check_run("mean", steps=40, lr=0.5, seeded=False)}
 
 
 class _KeptWarnings(logging.Handler):
@@ -1381,17 +1384,21 @@ class _KeptWarnings(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
 
-def _loss_check_run(reduction: str, steps: int = 16) -> dict[str, Any]:
+def _loss_check_run(reduction: str, steps: int = 16, lr: float = 1e-3,
+                    seeded: bool = True) -> dict[str, Any]:
     with _KeptWarnings().keep("cannikin.runtime.planner") as warnings:
-        model = _train_loss_check(reduction, steps)
+        model, loss = _train_loss_check(reduction, steps, lr, seeded)
     check = model.planner.loss_check
     return {"summed": check.summed, "slope": check.slope, "steps": check.steps,
-            "warnings": [w for w in warnings if "looks summed" in w]}
+            "last_loss": loss, "warnings": [w for w in warnings if "looks summed" in w]}
 
 
-def _train_loss_check(reduction: str, steps: int) -> HeteroDataParallel:
+def _train_loss_check(reduction: str, steps: int, lr: float,
+                      seeded: bool) -> tuple[HeteroDataParallel, float]:
+    """The model after ``steps`` steps of SGD at ``lr`` (momentum 0.9) and its last loss,
+    the loss through ``model.backward(loss)`` (``seeded``) or ``loss.backward()``."""
     net = _classifier()
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
     loader = HeteroDataLoader(_blobs(60 * steps), batch_size=60, seed=2)
     model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None,
                                lr_scaling="adascale")
@@ -1399,10 +1406,14 @@ def _train_loss_check(reduction: str, steps: int) -> HeteroDataParallel:
     model.planner.config.measure_stride = 1
     for x, y, _ in loader:
         opt.zero_grad()
-        model.backward(F.cross_entropy(model(x), y, reduction=reduction))
+        loss = F.cross_entropy(model(x), y, reduction=reduction)
+        if seeded:
+            model.backward(loss)
+        else:
+            loss.backward()
         opt.step()
     model.remove_hooks()
-    return model
+    return model, float(loss.detach())
 
 
 def check_gan() -> dict[str, Any]:

@@ -98,6 +98,9 @@ class CommState:
     pass_parts: list[list[torch.Tensor]] = field(default_factory=list)
     """Per micro-batch of a step in several passes: its own gradient's |g|^2 parts, taken
     by hooks on the parameters (:meth:`watch_passes`); empty when not watched."""
+    output_grad: torch.Tensor | None = None
+    """The loss check's figure of this step (:attr:`StepReport.output_grad`), a 0-dim tensor
+    where the device holds it until :meth:`read_step`; None where not taken."""
     pass_index: int = 0
     """The micro-batch whose backward is running."""
     pass_hooks: list[Any] = field(default_factory=list)
@@ -158,6 +161,7 @@ class CommState:
         self.done = []
         self.local_parts = []
         self.global_parts = []
+        self.output_grad = None
         self.rows = None
         self.rows_tail = None
         self.rows_alone = None
@@ -169,14 +173,16 @@ class CommState:
         """What this step's collectives left on the device, read in one transfer: the
         exchange ``rows`` summed over ranks (None if they were not sent) and, with
         ``norms``, |g_i|^2 of the local gradient (0.0 if no bucket was seen), |g|^2 of the
-        all-reduced one (None if the hook did not take it here) and each watched
-        micro-batch's |g|^2. On a GPU that is the step's one host synchronisation, not one
-        per part (with Adam a part is a parameter) and another for the rows."""
+        all-reduced one (None if the hook did not take it here), the loss check's
+        :attr:`output_grad` (0.0 where not taken) and each watched micro-batch's |g|^2. On a
+        GPU that is the step's one host synchronisation, not one per part (with Adam a part
+        is a parameter) and another for the rows."""
         groups: list[list[torch.Tensor]] = []
         measured = False
         if norms:
             measured = self.capture_sqnorm and bool(self.global_parts)
-            groups = [self.local_parts, self.global_parts if measured else [],
+            output_parts = [] if self.output_grad is None else [self.output_grad]
+            groups = [self.local_parts, self.global_parts if measured else [], output_parts,
                       *self.pass_parts]
         rows, encoded = None, False
         if self.rows is not None and self.rows_alone is not None:
@@ -199,9 +205,10 @@ class CommState:
             summed = decode_rows(tail.astype(np.float32)) if encoded else tail.copy()
             readout.rows = summed.reshape(self.rows.shape)
         if norms:
-            local, global_, *passes = totals
+            local, global_, output, *passes = totals
             readout.local_sqnorm = local * self.sqnorm_scale ** 2
             readout.global_sqnorm = global_ if measured else None
+            readout.output_grad = output if math.isfinite(output) else 0.0
             readout.pass_sqnorms = tuple(passes)
         return readout
 
@@ -272,6 +279,7 @@ class StepReadout:
     local_sqnorm: float = math.nan
     global_sqnorm: float | None = None
     pass_sqnorms: tuple[float, ...] = ()
+    output_grad: float = 0.0
 
 
 def encoded_size(rows: np.ndarray, dtype: torch.dtype) -> int | None:

@@ -40,9 +40,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from cannikin.losscheck import MIN_SAMPLES
 from cannikin.optperf import Plan
 from cannikin.perf import ClusterModel, PredictionTracker
-from cannikin.runtime.comm import CommState, finish_failed_backward, weighted_allreduce_hook
+from cannikin.runtime.comm import (
+    CommState,
+    StepReadout,
+    finish_failed_backward,
+    weighted_allreduce_hook,
+)
 from cannikin.runtime.decision import Decision
 from cannikin.runtime.loader import HeteroDataLoader
 from cannikin.runtime.planner import (
@@ -657,6 +663,8 @@ class HeteroDataParallel(nn.Module):
                             and cycle.last_bwd_start is None))
             if cycle.measuring and unmarked:
                 at_start.append(self._mark_backward_start)
+            if cycle.norms and len(cycle.passes) == 1:
+                at_start.append(self._take_output_gradient)
             if cycle.pass_index == 0 and not cycle.left_checked and self._several_passes:
                 at_start.append(self._refuse_gradients_left)
         tensor = _first_grad_tensor(out) if at_start else None
@@ -763,6 +771,23 @@ class HeteroDataParallel(nn.Module):
         elif cycle.last_bwd_start is None:
             cycle.last_bwd_start = self.clock.mark()
 
+    def _take_output_gradient(self, grad: torch.Tensor) -> None:
+        """The loss check's figure of the step (:attr:`StepReport.output_grad`), left on the
+        device: the median over this rank's samples of the norm of the loss's gradient at
+        the model's output, those not 0 (NaN: fewer than ``MIN_SAMPLES`` of them), without
+        the seed's weight. Nothing where the output has no row per sample (a loss the model
+        computes itself)."""
+        split = self._cycle.split
+        batch = split[self.rank] if split else 0
+        if (self.comm.output_grad is not None or batch == 0 or grad.dim() == 0
+                or grad.shape[0] != batch or not grad.is_floating_point()):
+            return
+        norms = torch.linalg.vector_norm(grad.detach().reshape(batch, -1), dim=1).float()
+        vanished = norms == 0
+        median = torch.nanmedian(norms.masked_fill(vanished, math.nan))
+        median = median.masked_fill((batch - vanished.sum()) < MIN_SAMPLES, math.nan)
+        self.comm.output_grad = median / self.comm.weight if self.comm.seeded else median
+
     def _placeholder_after_oom(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Out of memory in forward: run two samples so every collective still lines up.
 
@@ -814,8 +839,8 @@ class HeteroDataParallel(nn.Module):
             dist.all_reduce(self.ddp.reducer._get_local_used_map(),
                             group=self.ddp.process_group)
 
-    def _measure(self, step_s: float, cpu_s: float, local_sqnorm: float,
-                 pass_sqnorms: tuple[float, ...], global_sqnorm: float | None) -> StepReport:
+    def _measure(self, step_s: float, cpu_s: float, readout: StepReadout,
+                 global_sqnorm: float | None) -> StepReport:
         """This rank's measurements of the step just finished (its measured period
         ``step_s``, from ``measure_from``; the process's CPU seconds in it ``cpu_s``)."""
         cycle = self._cycle
@@ -848,7 +873,8 @@ class HeteroDataParallel(nn.Module):
             fractions, allreduce = [], []
         report = StepReport(batch=cycle.split[self.rank] if cycle.split else 0,
                             timed_batch=cycle.passes[0] if several else None,
-                            sqnorm=local_sqnorm, pass_sqnorms=pass_sqnorms,
+                            sqnorm=readout.local_sqnorm, pass_sqnorms=readout.pass_sqnorms,
+                            output_grad=readout.output_grad,
                             fwd_s=start, bwd_s=bwd, step_s=step_s,
                             ready_fractions=tuple(fractions), allreduce_s=tuple(allreduce),
                             cpu_s=cpu_s, cpu_cores=self.cpu_cores, plan_s=cycle.plan_s,
@@ -922,8 +948,7 @@ class HeteroDataParallel(nn.Module):
         if cycle.measuring:
             global_sqnorm = self._global_sqnorm(readout.global_sqnorm) if cycle.norms else None
             report = self._measure(self.clock.elapsed(cycle.measure_from, end),
-                                   cpu - cycle.prev_cpu, readout.local_sqnorm,
-                                   readout.pass_sqnorms, global_sqnorm)
+                                   cpu - cycle.prev_cpu, readout, global_sqnorm)
         if cycle.exchanges:
             reports = self._exchange(readout.rows)
             self.collective_timeout.observe(reports)

@@ -59,10 +59,12 @@ MAX_BUCKETS = 16
 MAX_PASSES = 16
 """Most micro-batches per step and worker (:attr:`PlannerConfig.max_micro_batches`): each
 one's |g|^2 rides in the step report."""
-_PREVIOUS = 12 + 2 * MAX_BUCKETS + MAX_PASSES
+_PREVIOUS = 13 + 2 * MAX_BUCKETS + MAX_PASSES
 """batch, timed, sqnorm, fwd_s, bwd_s, step_s, buckets, rho.., c.., passes, sqnorm..,
-cpu_s, cpu_cores, plan_s, global_sqnorm"""
-_BEFORE_GLOBAL = _PREVIOUS - 1
+cpu_s, cpu_cores, plan_s, global_sqnorm, output_grad"""
+_BEFORE_OUTPUT_GRAD = _PREVIOUS - 1
+"""The length of a report saved before the median of its per-sample output gradients."""
+_BEFORE_GLOBAL = _BEFORE_OUTPUT_GRAD - 1
 """The length of a report saved before its share of the reduced gradient's |g|^2."""
 _BEFORE_PLAN = _BEFORE_GLOBAL - 1
 """The length of a report saved before its re-plan time (a rank checkpoint)."""
@@ -114,6 +116,10 @@ class StepReport:
     """|g|^2 of the step's all-reduced gradient (the noise scale's space) as this rank took
     it: the whole on the rank with the step's largest local batch, 0 on the others, None
     where the step's norms were not taken. The ranks' reports sum to it."""
+    output_grad: float = 0.0
+    """The median over this rank's samples of the norm of their loss's gradient at the
+    model's output, those not 0 (:mod:`cannikin.losscheck`); 0 where not taken: a step
+    without norms, of several passes, or whose output has no row per sample."""
 
     def to_vector(self) -> list[float]:
         ready, comm = merge_buckets(self.ready_fractions, self.allreduce_s, MAX_BUCKETS)
@@ -125,7 +131,8 @@ class StepReport:
                 self.step_s, float(len(ready)), *ready, *pad, *comm, *pad,
                 float(len(self.pass_sqnorms)), *self.pass_sqnorms, *passes, self.cpu_s,
                 self.cpu_cores, self.plan_s,
-                math.nan if self.global_sqnorm is None else self.global_sqnorm]
+                math.nan if self.global_sqnorm is None else self.global_sqnorm,
+                self.output_grad]
 
     @property
     def timed(self) -> int:
@@ -144,6 +151,8 @@ class StepReport:
             values = [*values, 0.0]
         if len(values) == _BEFORE_GLOBAL:  # saved before the share of |g|^2
             values = [*values, math.nan]
+        if len(values) == _BEFORE_OUTPUT_GRAD:  # saved before the output gradients' median
+            values = [*values, 0.0]
         if len(values) != _PREVIOUS:
             raise ValueError(f"a step report has {_PREVIOUS} values, got {len(values)}")
         m = int(values[6])
@@ -161,7 +170,8 @@ class StepReport:
                           cpu_s=float(values[_BEFORE_CPU]),
                           cpu_cores=float(values[_BEFORE_CPU + 1]),
                           plan_s=float(values[_BEFORE_PLAN]),
-                          global_sqnorm=None if math.isnan(global_sqnorm) else global_sqnorm)
+                          global_sqnorm=None if math.isnan(global_sqnorm) else global_sqnorm,
+                          output_grad=float(values[_BEFORE_OUTPUT_GRAD]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -806,16 +816,7 @@ class Planner:
             if len(batches) >= 2 and previous_global_sqnorm is not None and sane:
                 self.noise.update(sqnorms, batches, previous_global_sqnorm)
                 self._check_noise()
-                if self.loss_check.add(sqnorms, batches) and self.log_plans:
-                    logger.warning(
-                        "each worker's gradient grows with its local batch (|g_i|^2 ~ "
-                        "b_i^%.1f over %d steps of uneven batches): the loss looks summed "
-                        "over the local batch (reduction='sum', or a sum over a fixed per-rank "
-                        "batch size). Cannikin weighs worker i's gradient by b_i / B, the mean "
-                        "over the step's samples only for a loss averaged over the local "
-                        "batch: divide the loss by len(x), and multiply it by batch_size / "
-                        "world_size for the update plain DDP makes of a summed loss",
-                        self.loss_check.slope, self.loss_check.steps)
+            self._check_loss(done)
             if step - 1 >= self.config.skip_steps:
                 self._observe_timing(done)
         if self._window_ends:  # the last step of the previous plan is in: close its window
@@ -826,6 +827,21 @@ class Planner:
         current = self.current
         self._pending_chosen = (current.nodes is not None and current.reason != "pinned"
                                 and not current.exploring)
+
+    def _check_loss(self, reports: Sequence[StepReport]) -> None:
+        """Fold a step's per-sample output gradients into :attr:`loss_check`; say once
+        when the loss looks summed over the local batch."""
+        medians = [r.output_grad for r in reports]
+        if self.loss_check.add(medians, [r.batch for r in reports]) and self.log_plans:
+            logger.warning(
+                "each sample's gradient at the model's output does not shrink with its "
+                "worker's local batch (~ b_i^%.1f over %d steps of uneven batches, where a "
+                "mean over the local batch gives b_i^-1): the loss looks summed over the "
+                "local batch (reduction='sum', or a sum over a fixed per-rank batch size). "
+                "Cannikin weighs worker i's gradient by b_i / B, the mean over the step's "
+                "samples only for a loss averaged over the local batch: divide the loss by "
+                "len(x), and multiply it by batch_size / world_size for the update plain DDP "
+                "makes of a summed loss", self.loss_check.slope, self.loss_check.steps)
 
     def _gradient_groups(self, reports: Sequence[StepReport]) -> tuple[list[float], list[int]]:
         """The noise scale's independent gradient estimates of a step and their batches:
