@@ -48,6 +48,8 @@ class Replanning(OnePass):
     """A controller whose split changes between steps (after the loader has prefetched
     the next step with the old one), as a re-plan in the optimizer step does."""
 
+    step = None
+
     def __init__(self, total: int, world: int) -> None:
         self.total, self.world, self.plans = total, world, 0
 

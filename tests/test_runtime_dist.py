@@ -302,7 +302,10 @@ def test_the_optimizer_and_loader_can_come_after_wrapping(figures: dict[str, Any
 def test_ddp_habits_work_as_with_ddp(figures: dict[str, Any]) -> None:
     habits = figures["ddp_habits"]
     assert habits["peeked"] > 0
-    # the peeked samples came again: both epochs use every sample exactly once
+    # the peeked samples came again, and those of the evaluations inside the training loop
+    # (one step, then the epoch's last two) were not lost to it: both epochs train every
+    # sample exactly once (the evaluations used to take theirs from it)
+    assert habits["evaluated"] == [1, 2]
     assert habits["epochs"] == [list(range(90))] * 2
     assert habits["epoch_after"] == 2  # set_epoch(e) in the epoch loop skips no epoch
     # a step on the script's own tensors averages the ranks' gradients, as DDP does (it used

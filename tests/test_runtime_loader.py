@@ -14,17 +14,18 @@ class Scripted(OnePass):
     """A controller that changes the split every step (as re-planning does)."""
 
     def __init__(self, totals: list[int], world: int) -> None:
-        self.totals, self.world, self.step = totals, world, 0
+        self.totals, self.world = totals, world
         self.begun: list[tuple[int, ...]] = []
         self.peeked = False  # the last step handed out never reached an optimizer step
+        self.step = 0  # optimizer steps: a test that trains counts them
 
     @property
     def total_batch(self) -> int:
-        return self.totals[self.step % len(self.totals)]
+        return self.totals[len(self.begun) % len(self.totals)]
 
     def split_for(self, total: int) -> tuple[int, ...]:
         # skewed, with an empty worker every third step
-        shares = [(self.step + r) % 3 for r in range(self.world)]
+        shares = [(len(self.begun) + r) % 3 for r in range(self.world)]
         if sum(shares) == 0:
             shares[0] = 1
         split = [total * s // sum(shares) for s in shares]
@@ -33,7 +34,6 @@ class Scripted(OnePass):
 
     def begin_step(self, split: tuple[int, ...]) -> None:
         self.begun.append(split)
-        self.step += 1
 
     def abandon_step(self) -> bool:
         peeked, self.peeked = self.peeked, False
@@ -137,6 +137,53 @@ def test_a_peeked_batch_comes_again() -> None:
     assert sorted(seen) == list(range(30)) and seen[:len(peek)] == peek
 
 
+def _loop_with_an_inner_loop(loader: HeteroDataLoader, controller: Scripted | None,
+                             inner_steps: int, trains: bool) -> list[int]:
+    """An epoch over ``loader`` (each step trained: the controller counts it) with another
+    loop over the same loader after its second step, of up to ``inner_steps`` steps (an
+    evaluation, or a loop that ``trains`` too); the samples the outer loop got."""
+    seen: list[int] = []
+    for step, (batch,) in enumerate(loader):
+        seen += batch.tolist()
+        if controller is not None:
+            controller.step += 1
+        if step == 1:
+            for inner, _ in enumerate(loader):
+                if trains and controller is not None:
+                    controller.step += 1
+                if inner + 1 == inner_steps:
+                    break
+    return seen
+
+
+@pytest.mark.parametrize("inner_steps", [1, 2, 100])
+def test_an_evaluation_inside_the_loop_takes_no_sample_of_its_epoch(inner_steps: int) -> None:
+    """As with a DataLoader, whose iterators are independent: the training loop's epoch
+    keeps all of its samples, also where the evaluation ran to the epoch's end."""
+    loader = HeteroDataLoader(TensorDataset(torch.arange(30)), batch_size=7, rank=0,
+                              world_size=1)
+    controller = Scripted([7], 1)
+    loader.attach(controller, 0, 1)
+    for epoch in range(2):
+        seen = _loop_with_an_inner_loop(loader, controller, inner_steps, trains=False)
+        assert sorted(seen) == list(range(30)), (epoch, seen)
+        assert loader.epoch == epoch + 1
+
+
+def test_a_loop_inside_the_loop_that_trains_or_is_not_watched_is_refused() -> None:
+    loader = HeteroDataLoader(TensorDataset(torch.arange(30)), batch_size=7, rank=0,
+                              world_size=1)
+    loader.attach(Scripted([7], 1), 0, 1)
+    controller = loader.controller
+    assert isinstance(controller, Scripted)
+    with pytest.raises(RuntimeError, match="trained 2 steps on this epoch's samples"):
+        _loop_with_an_inner_loop(loader, controller, 2, trains=True)
+    plain = HeteroDataLoader(TensorDataset(torch.arange(30)), batch_size=7, rank=0,
+                             world_size=1)
+    with pytest.raises(RuntimeError, match="without HeteroDataParallel watching its steps"):
+        _loop_with_an_inner_loop(plain, None, 1, trains=False)
+
+
 class InPasses(Scripted):
     """A controller whose workers run their shares in passes of at most ``cap``."""
 
@@ -188,6 +235,8 @@ def test_steps_use_every_index_once() -> None:
 class Settable(OnePass):
     """A controller whose total batch the test sets (as a goodput re-plan does), split
     evenly."""
+
+    step = None
 
     def __init__(self, total: int, world: int) -> None:
         self.total, self.world = total, world

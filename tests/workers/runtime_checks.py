@@ -1068,7 +1068,8 @@ def check_model_output() -> dict[str, Any]:
 
 def check_ddp_habits() -> dict[str, Any]:
     """Habits of a DDP script: a step on the script's own tensors, a peek at the loader,
-    ``set_epoch`` in the epoch loop, ``no_sync()``."""
+    ``set_epoch`` in the epoch loop, an evaluation over the training loader inside the
+    training loop (of one step, and to the epoch's end), ``no_sync()``."""
     data = _blobs(90)
     net = _classifier()
     ref = copy.deepcopy(net)
@@ -1079,14 +1080,22 @@ def check_ddp_habits() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     peeked = len(next(iter(loader))[0])  # a peek: its samples must come again
     epochs: list[list[int]] = []
+    evaluated: list[int] = []
     for epoch in range(2):
         loader.set_epoch(epoch)
         seen: list[int] = []
-        for x, y, idx in loader:
+        for step, (x, y, idx) in enumerate(loader):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
             seen += idx.tolist()
+            if step == 1 - epoch:  # after the second step, then after the first
+                with torch.no_grad():
+                    for inner, (x, _, _) in enumerate(loader):
+                        model(x)
+                        if inner == 0 and epoch == 0:
+                            break
+                    evaluated.append(inner + 1)
         epochs.append(_all_indices(seen))
     epoch_after = loader.epoch
     # a step on this rank's own tensors, outside the loader (after an uneven split): DDP's
@@ -1111,7 +1120,7 @@ def check_ddp_habits() -> dict[str, Any]:
     except RuntimeError as error:
         no_sync = str(error)
     model.remove_hooks()
-    return {"peeked": peeked, "epochs": epochs, "epoch_after": epoch_after,
+    return {"peeked": peeked, "epochs": epochs, "epoch_after": epoch_after, "evaluated": evaluated,
             "outside_rel_err": worst, "no_sync": no_sync,
             "state_keys_as_ddp": state_keys_as_ddp}
 

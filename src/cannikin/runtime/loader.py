@@ -52,6 +52,11 @@ class StepController(Protocol):
         was one."""
         ...
 
+    @property
+    def step(self) -> int | None:
+        """Optimizer steps taken through the loader (None: not watched)."""
+        ...
+
 
 class OnePass:
     """The pass members of a :class:`StepController` whose steps never accumulate."""
@@ -89,6 +94,29 @@ class _EvenSplit(OnePass):
         """Without a training step to watch, every step counts as taken."""
         return False
 
+    @property
+    def step(self) -> int | None:
+        """Not watched."""
+        return None
+
+
+@dataclass(frozen=True)
+class _Paused:
+    """Where the loader stood when a newer iteration over it began."""
+
+    state: dict[str, int | bool]
+    before_take: dict[str, int | bool] | None
+    steps: int | None
+    """The controller's optimizer steps then."""
+
+
+@dataclass
+class _Iteration:
+    """One ``for`` loop over the loader (or over :meth:`HeteroDataLoader.steps`): None
+    while it is the live one, else where it paused."""
+
+    paused: _Paused | None = None
+
 
 @dataclass(frozen=True, kw_only=True)
 class Autoscale:
@@ -105,11 +133,14 @@ class HeteroDataLoader:
     they change; breaking out of the loop and iterating again resumes the same epoch, and
     an iteration that starts once the epoch has no step left starts the next one (a loop
     that stops after ``len(loader)`` steps without exhausting the iterator, as Lightning's
-    does). ``batch_size`` is the total over all workers. ``shuffle=False`` keeps the
-    dataset's order (each step's samples are then the ones DistributedSampler with
-    ``shuffle=False`` gives the ranks together). ``num_workers`` processes load the
-    samples, the next step's while this one trains (:mod:`cannikin.runtime.fetch`; a
-    TensorDataset is always indexed in this process); ``pin_memory`` as DataLoader's.
+    does). A loop that goes on after another loop over the loader ran inside it (an
+    evaluation over the training loader) goes on where it was: the other's samples come
+    again, unless it trained on them (refused). ``batch_size`` is the total over all
+    workers. ``shuffle=False`` keeps the dataset's order (each step's samples are then
+    the ones DistributedSampler with ``shuffle=False`` gives the ranks together).
+    ``num_workers`` processes load the samples, the next step's while this one trains
+    (:mod:`cannikin.runtime.fetch`; a TensorDataset is always indexed in this process);
+    ``pin_memory`` as DataLoader's.
     ``rank`` and ``world_size`` each default to the default process group's (or 0 and 1
     without one); HeteroDataParallel sets them when it attaches.
     """
@@ -155,6 +186,8 @@ class HeteroDataLoader:
         """Steps handed out in the epoch in progress (meaningful while its position is > 0:
         ``set_epoch`` may start another behind the loader's back)."""
         self._before_take: dict[str, int | bool] | None = None
+        self._live: _Iteration | None = None
+        """The iteration whose steps the loader hands out (None: none under way)."""
 
     # -- configuration -----------------------------------------------------------------------------
     def autoscale_batch_size(self, max_batch_size: int,
@@ -259,7 +292,10 @@ class HeteroDataLoader:
             self.rewind()
         if self.sampler.next_total(self.controller.total_batch) == 0:
             self.sampler.new_epoch()  # the last one ended without its StopIteration
+        iteration = _Iteration()
+        self._take_over(iteration)
         while True:
+            self._go_on(iteration)
             total = self.sampler.next_total(self.controller.total_batch)
             if total == 0:
                 break
@@ -273,6 +309,39 @@ class HeteroDataLoader:
             self.controller.begin_step(tuple(split))
             yield indices
         self.sampler.new_epoch()
+        self._live = None
+
+    def _take_over(self, iteration: _Iteration) -> None:
+        """``iteration`` hands out the steps from here; the one that did, if another,
+        pauses where the loader stands."""
+        if self._live is not None and self._live is not iteration:
+            self._live.paused = _Paused(self.state_dict(), self._before_take,
+                                        self.controller.step)
+        self._live, iteration.paused = iteration, None
+
+    def _go_on(self, iteration: _Iteration) -> None:
+        """A loop goes on: where another loop over the loader ran in between (an evaluation
+        over the training loader, inside the training loop), the loader goes back to where
+        this one paused, so that its epoch loses none of its samples to the other, as
+        with a DataLoader, whose iterators are independent. Refused where the other loop
+        trained (or no runtime watched whether it did): its steps took those samples."""
+        paused = iteration.paused
+        if paused is None:
+            return
+        steps = self.controller.step
+        if steps is None or paused.steps is None or steps != paused.steps:
+            trained = ("without HeteroDataParallel watching its steps" if steps is None
+                       or paused.steps is None else f"and trained {steps - paused.steps} "
+                       f"steps on this epoch's samples")
+            raise RuntimeError(
+                f"rank {self.rank}: a loop over this HeteroDataLoader went on after another "
+                f"loop over it ran in between (a `for` over the same loader inside it), "
+                f"{trained}: this loop cannot have them again, and would skip them. Train "
+                f"in one loop over the loader, and evaluate over a loader of its own (a "
+                f"torch DataLoader over the same dataset)")
+        self._take_over(iteration)
+        self.load_state_dict(paused.state)
+        self._before_take = paused.before_take
 
     def _upcoming(self, first_pass: bool = False) -> Any:
         """The next step's indices as the plan stands (None at the end of the epoch); with
