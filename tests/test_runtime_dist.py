@@ -313,6 +313,7 @@ def test_ddp_habits_work_as_with_ddp(figures: dict[str, Any]) -> None:
     assert habits["outside_rel_err"] < 1e-5
     assert "no_sync() would" in habits["no_sync"]
     assert habits["state_keys_as_ddp"]  # model.state_dict() has DDP's "module." keys
+    assert habits["names_as_ddp"]  # and model.named_parameters() DDP's names
 
 
 def test_backwards_onto_gradients_sum_as_with_ddp(figures: dict[str, Any]) -> None:

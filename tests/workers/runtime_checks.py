@@ -1069,7 +1069,8 @@ def check_model_output() -> dict[str, Any]:
 def check_ddp_habits() -> dict[str, Any]:
     """Habits of a DDP script: a step on the script's own tensors, a peek at the loader,
     ``set_epoch`` in the epoch loop, an evaluation over the training loader inside the
-    training loop (of one step, and to the epoch's end), ``no_sync()``."""
+    training loop (of one step, and to the epoch's end), ``no_sync()``, parameters picked
+    by DDP's names."""
     data = _blobs(90)
     net = _classifier()
     ref = copy.deepcopy(net)
@@ -1113,6 +1114,11 @@ def check_ddp_habits() -> dict[str, Any]:
                 for p, q in zip(net.parameters(), ref.parameters(), strict=True)) / scale
     ddp_keys = sorted(f"module.{key}" for key in model.module.state_dict())
     state_keys_as_ddp = sorted(model.state_dict()) == ddp_keys
+    first_layer = [p for name, p in model.named_parameters() if name.startswith("module.0.")]
+    names_as_ddp = ([name for name, _ in model.named_parameters()]
+                    == [f"module.{name}" for name, _ in net.named_parameters()]
+                    and first_layer == list(net[0].parameters())
+                    and list(model.parameters()) == list(net.parameters()))
     model.load_state_dict(model.state_dict())
     try:
         model.no_sync()
@@ -1122,7 +1128,7 @@ def check_ddp_habits() -> dict[str, Any]:
     model.remove_hooks()
     return {"peeked": peeked, "epochs": epochs, "epoch_after": epoch_after, "evaluated": evaluated,
             "outside_rel_err": worst, "no_sync": no_sync,
-            "state_keys_as_ddp": state_keys_as_ddp}
+            "state_keys_as_ddp": state_keys_as_ddp, "names_as_ddp": names_as_ddp}
 
 
 class _ByIndex(torch.utils.data.Dataset):  # type: ignore[type-arg]

@@ -506,6 +506,19 @@ class HeteroDataParallel(nn.Module):
         """Load DDP-style keys (see :meth:`state_dict`)."""
         return self.ddp.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """DDP's names (``module.<name>``, as :meth:`state_dict`'s keys), so that a DDP
+        script that picks parameters by name (its param groups, what it freezes) picks the
+        same ones: under this wrapper's own names (``ddp.module.<name>``) a test such as
+        ``name.startswith("module.encoder")`` would pick none, silently."""
+        return self.ddp.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """DDP's names, as :meth:`named_parameters`."""
+        return self.ddp.named_buffers(prefix, recurse, remove_duplicate)
+
     @property
     def plan(self) -> Plan:
         """The split in force: local batches and predicted step time (NaN before a model)."""
