@@ -335,10 +335,10 @@ class HeteroDataLoader:
                        f"steps on this epoch's samples")
             raise RuntimeError(
                 f"rank {self.rank}: a loop over this HeteroDataLoader went on after another "
-                f"loop over it ran in between (a `for` over the same loader inside it), "
-                f"{trained}: this loop cannot have them again, and would skip them. Train "
-                f"in one loop over the loader, and evaluate over a loader of its own (a "
-                f"torch DataLoader over the same dataset)")
+                f"loop over it ran inside it (a `for` over the same loader), {trained}: the "
+                f"samples that loop took are of this loop's epoch, which would skip them. "
+                f"Train in one loop over the loader, and evaluate over a loader of its own "
+                f"(a torch DataLoader over the same dataset)")
         self._take_over(iteration)
         self.load_state_dict(paused.state)
         self._before_take = paused.before_take
