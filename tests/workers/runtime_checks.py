@@ -1092,8 +1092,8 @@ def check_ddp_habits() -> dict[str, Any]:
             seen += idx.tolist()
             if step == 1 - epoch:  # after the second step, then after the first
                 with torch.no_grad():
-                    for inner, (x, _, _) in enumerate(loader):
-                        model(x)
+                    for inner, (seen_x, _, _) in enumerate(loader):
+                        model(seen_x)
                         if inner == 0 and epoch == 0:
                             break
                     evaluated.append(inner + 1)
