@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -519,6 +519,32 @@ class HeteroDataParallel(nn.Module):
         """DDP's names, as :meth:`named_parameters`."""
         return self.ddp.named_buffers(prefix, recurse, remove_duplicate)
 
+    def named_modules(self, memo: set[nn.Module] | None = None, prefix: str = "",
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Module]]:
+        """This wrapper, then the wrapped module's under DDP's names (``module.<name>``):
+        a script that picks modules by name (the layers it adapts or prunes) picks the ones
+        it picks under DistributedDataParallel, and :meth:`get_submodule` finds each."""
+        if memo is None:
+            memo = set()
+        if remove_duplicate:
+            if self in memo:
+                return
+            memo.add(self)
+        yield prefix, self
+        inner = f"{prefix}.module" if prefix else "module"
+        yield from self.ddp.module.named_modules(memo, inner, remove_duplicate)
+
+    def __getstate__(self) -> NoReturn:
+        """Refused by name: a copy (``copy.deepcopy``, ``torch.save(model)``, swa_utils'
+        ``AveragedModel(model)``) would copy the loader, the planner and the comm hook's
+        state of a running job, and failed on a GradBucket."""
+        raise TypeError(
+            "a HeteroDataParallel cannot be copied or pickled: it holds the job's loader, "
+            "planner and all-reduce state. Copy the plain module instead, "
+            "AveragedModel(model.module) or copy.deepcopy(model.module) (its update from "
+            "the wrapper, ema.update_parameters(model), takes the same parameters), and "
+            "save model.state_dict() (DDP's keys) rather than the object")
+
     @property
     def plan(self) -> Plan:
         """The split in force: local batches and predicted step time (NaN before a model)."""
@@ -653,6 +679,24 @@ class HeteroDataParallel(nn.Module):
                         p.grad.mul_(ratio)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """DDP's forward, between the runtime's records of it. Under ``torch.compile(model)``
+        those run as they are, outside the graph: dynamo compiles the model, and traced
+        they recompiled on every change of the step's state until its limit."""
+        self._before_forward()
+        try:
+            out = self.ddp(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            # recovered only on a step whose exchange can tell every rank: any step where
+            # a worker is on a GPU (on a CPU-only job only a simulated one can happen)
+            cycle = self._cycle
+            if not (cycle.stepping and torch.is_grad_enabled() and cycle.exchanges):
+                raise
+            out = self._placeholder_after_oom(args, kwargs)
+        self._after_forward(out)
+        return out
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _before_forward(self) -> None:
         cycle = self._cycle
         if not cycle.stepping:
             cycle.interrupted = cycle.forward_between = True
@@ -661,14 +705,10 @@ class HeteroDataParallel(nn.Module):
                 logger.warning("HeteroDataParallel is not attached to an optimizer and a "
                                "loader: it trains as plain DDP (an even mean of the ranks' "
                                "gradients) until model.attach(optimizer, loader)")
-        try:
-            out = self.ddp(*args, **kwargs)
-        except torch.cuda.OutOfMemoryError:
-            # recovered only on a step whose exchange can tell every rank: any step where
-            # a worker is on a GPU (on a CPU-only job only a simulated one can happen)
-            if not (cycle.stepping and torch.is_grad_enabled() and cycle.exchanges):
-                raise
-            out = self._placeholder_after_oom(args, kwargs)
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _after_forward(self, out: Any) -> None:
+        cycle = self._cycle
         at_start: list[Callable[[torch.Tensor], None]] = []  # run as the backward starts
         if cycle.stepping and torch.is_grad_enabled():
             unmarked = ((cycle.pass_index == 0 and cycle.bwd_start is None)
@@ -686,7 +726,6 @@ class HeteroDataParallel(nn.Module):
                 tensor.register_hook(hook)  # type: ignore[no-untyped-call]
         if cycle.stepping and cycle.exchanges and self.comm.rows is None:
             self.comm.rows = self._exchange_rows()  # sent with a gradient bucket
-        return out
 
     def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None,
                  **kwargs: Any) -> None:
