@@ -4,6 +4,7 @@ runs tests/workers/accelerate_worker.py; each test asserts on what it reported."
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,11 @@ def test_what_assumes_even_batches_follows_the_uneven_split(figures: dict[str, A
     # gather aborted in gloo); reduce(mean) of the local mean losses: the step's mean loss
     assert figures["gathered_in_order"]
     assert figures["loss_err"] < 1e-6
+    # a rank with no samples (its mean loss NaN) weighs nothing: the step's mean is rank 1's
+    # (it was NaN, NaN times a weight of 0)
+    idle = figures["idle"]
+    assert math.isnan(idle["losses"][0])
+    assert idle["reduced"] == pytest.approx(idle["losses"][1], rel=1e-6)
     # a prepared scheduler steps once per optimizer step (Accelerate's default: once per
     # process, which ended a schedule sized by len(loader) after half of it on 2 ranks)
     assert figures["schedule_steps"] == 6

@@ -55,6 +55,8 @@ def test_factor_three_takes_three_times_as_long_and_slopes_follow() -> None:
 
 
 def test_gradients_become_ready_at_emulated_fractions_of_backward() -> None:
+    """The least disturbed of three backwards (the shortest: a sleep ends late, never early;
+    beside a CPU hog one backward started 11 ms late, every fraction 0.056 behind)."""
     model = mlp()
     model(torch.randn(4, 16)).sum().backward()  # warm-up before timing
     install_slowdown(model, 2.0, fixed_s=5e-2, per_sample_s=0.0)
@@ -62,14 +64,18 @@ def test_gradients_become_ready_at_emulated_fractions_of_backward() -> None:
     ready: dict[int, float] = {}
     for i, p in enumerate(params):  # fires after accumulation, where DDP marks a grad ready
         p.register_post_accumulate_grad_hook(lambda _, i=i: ready.update({i: time.perf_counter()}))
-    loss = model(torch.randn(4, 16)).sum()
-    t0 = time.perf_counter()
-    loss.backward()
-    total = time.perf_counter() - t0
+    runs = []
+    for _ in range(3):
+        ready.clear()
+        loss = model(torch.randn(4, 16)).sum()
+        t0 = time.perf_counter()
+        loss.backward()
+        runs.append((time.perf_counter() - t0, t0, dict(ready)))
+    total, t0, marks = min(runs, key=lambda run: run[0])
     sizes = np.array([p.numel() for p in params])
-    order = sorted(ready, key=ready.get)  # backward visits the last layer first
+    order = sorted(marks, key=marks.get)  # backward visits the last layer first
     expected = np.cumsum(sizes[order]) / sizes.sum()
-    measured = np.array([ready[i] - t0 for i in order]) / (2 * 2 * 5e-2)
+    measured = np.array([marks[i] - t0 for i in order]) / (2 * 2 * 5e-2)
     assert total == pytest.approx(2 * 2 * 5e-2, rel=0.2)
     np.testing.assert_allclose(measured, expected, atol=0.08)
 

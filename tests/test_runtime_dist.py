@@ -25,7 +25,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
           "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss",
-          "gan", "unplannable_loops", "compiled"]
+          "gan", "unplannable_loops", "compiled", "batchnorm"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -229,6 +229,22 @@ def test_torch_compile_trains_exactly_and_is_measured(figures: dict[str, Any],
     forward = [fwd for _, fwd, _ in run["timings"]]
     assert len(forward) >= 2 and all(f > 0 for f in forward) and len(set(forward)) == len(forward)
     assert all(n >= 2 for n in run["fitted"])
+
+
+def test_batchnorm_statistics_come_from_the_largest_batch_and_no_worker_gets_one(
+        figures: dict[str, Any]) -> None:
+    """The split pinned at 0/20/40, rank 0 idle: every rank's running statistics are one
+    BatchNorm's fed the largest local batch of each step (DDP's broadcast from rank 0
+    left them where rank 0's last samples did: 3.2 off); the model's BatchNorm keeps every
+    worker at 0 or 2+ samples, and a total that gives some worker 1 is refused by name."""
+    bn = figures["batchnorm"]
+    assert bn["moved"] > 0.1  # the statistics did move
+    assert bn["stats_err"] < 1e-6
+    assert bn["min_local"] == 2
+    assert "BatchNorm layers refuse" in bn["refused"] and "batch_size >= 6" in bn["refused"]
+    # the README's loss for the log, the ranks' losses weighed by their shares (rank 0's is
+    # NaN, the mean of no samples): the step's mean loss
+    assert bn["logged_err"] < 1e-6
 
 
 def test_a_pinned_split_holds_exactly_until_released(figures: dict[str, Any]) -> None:

@@ -334,6 +334,48 @@ def test_partial_batch_is_split_over_the_remainder() -> None:
         planner.split_for(91)
 
 
+def _one_slow_per_sample(k: float) -> ClusterModel:
+    """Worker 0 k times slower per sample than the others, with half their fixed cost:
+    its optimum at B = 24 is 1 sample (k = 8)."""
+    fast = NodeModel(fwd=(0.003, 0.0004), bwd=(0.006, 0.0008))
+    return ClusterModel(nodes=[NodeModel(fwd=(0.0005 * k, 0.0004 * k),
+                                         bwd=(0.001 * k, 0.0008 * k)), fast, fast], comm=COMM)
+
+
+@pytest.mark.parametrize("min_pass", [1, 2])
+def test_min_pass_plans_no_worker_a_single_sample(min_pass: int) -> None:
+    """A model with BatchNorm refuses one sample in training (min_pass 2): neither a plan
+    nor a final partial batch gives a worker 1, where without it the plan does."""
+    planner = Planner(PlannerConfig(world_size=3, init_batch=24, min_pass=min_pass))
+    run(planner, _one_slow_per_sample(8.0), 200)
+    plans = [record.local_batches for record in planner.history]
+    if min_pass == 1:  # the case is real: the optimum gives worker 0 one sample
+        assert sum(1 in plan for plan in plans) >= len(plans) // 2, plans
+        return
+    assert planner.config.min_local == 2
+    assert all(b == 0 or b >= 2 for plan in plans for b in plan), plans
+    for total in range(2, 24):
+        split = planner.split_for(total)
+        assert sum(split) == total and all(b == 0 or b >= 2 for b in split), (total, split)
+        assert split.count(0) == (0 if total >= 6 else 3 - total // 2), (total, split)
+    assert sorted(planner.split_for(1)) == [0, 0, 1]  # fewer than a pass: one worker
+    with pytest.raises(ValueError, match=r"worker 0 cannot take 1 samples .*min_pass"):
+        planner.pin(300, (1, 12, 11))
+    planner.pin(300, (0, 12, 12))
+
+
+def test_min_pass_is_checked_and_raises_the_smallest_local_batch() -> None:
+    with pytest.raises(ValueError, match="min_pass must be an integer >= 1, got 0"):
+        PlannerConfig(world_size=2, init_batch=8, min_pass=0)
+    with pytest.raises(ValueError, match=r"lo=2 \(raised to min_pass=2\) .* batch_size 5"):
+        PlannerConfig(world_size=3, init_batch=5, min_pass=2)
+    with pytest.raises(ValueError, match="needs 2 sample.s. per pass .* must be >= 18"):
+        PlannerConfig(world_size=3, init_batch=12, min_pass=2, micro_batches=3)
+    config = PlannerConfig(world_size=3, init_batch=18, min_pass=2, micro_batches=3)
+    assert config.min_local == 6  # 2 in each of 3 passes
+    assert PlannerConfig(world_size=2, init_batch=8, min_local=0).min_local == 0
+
+
 def test_out_of_memory_lowers_the_cap_and_the_plan_obeys_it() -> None:
     cluster = truth((4.0, 1.0, 1.0))
     planner = Planner(PlannerConfig(world_size=3, init_batch=90))

@@ -99,6 +99,25 @@ def oom_in_backward(accelerator: CannikinAccelerator) -> dict[str, Any]:
     return {"samples": sorted(seen), "cap": model.planner.config.caps[1]}
 
 
+def idle_reduce(accelerator: CannikinAccelerator) -> dict[str, Any]:
+    """reduce(loss, "mean") of a step where rank 0 has no samples (its mean loss is NaN, the
+    mean of nothing): the step's mean loss, rank 1's."""
+    net = classifier()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(blobs(), batch_size=32, seed=5)
+    model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+    model.pin_split([0, 32])
+    x, y, _ = next(iter(loader))
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    accelerator.backward(loss)
+    reduced = float(accelerator.reduce(loss.detach(), reduction="mean"))
+    optimizer.step()
+    losses: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, float(loss))
+    return {"reduced": reduced, "losses": losses}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out, folder = Path(sys.argv[1]), Path(sys.argv[2])
@@ -152,6 +171,7 @@ def main() -> None:
     accelerator.load_state(location)
     speeds = follow_speeds(accelerator)
     oom = oom_in_backward(accelerator)
+    idle = idle_reduce(accelerator)
     refused = {}
     try:
         CannikinAccelerator(cpu=True, gradient_accumulation_steps=2)
@@ -164,7 +184,7 @@ def main() -> None:
         refused["no_loader"] = str(error)
     results = {"rel_err": worst, "splits": splits, "loss_err": loss_err,
                "gathered_in_order": gathered_in_order, "schedule_steps": schedule_steps,
-               "speeds": speeds, "oom": oom,
+               "speeds": speeds, "oom": oom, "idle": idle,
                "unwrapped_is_net": accelerator.unwrap_model(model) is net,
                "saved_step": saved[0]["runtime"]["step"], "step_before_load": after,
                "step_after_load": model.step, "refused": refused,

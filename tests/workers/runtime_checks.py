@@ -201,6 +201,62 @@ def check_grad_batchnorm() -> dict[str, float]:
     return _grad_check(_bn, per_chunk_reference=True)
 
 
+def check_batchnorm() -> dict[str, Any]:
+    """A model with BatchNorm: its running statistics are those of the rank with the most
+    samples (DDP's rank 0 held at 0 samples froze them for every rank), and no worker is
+    planned a single sample, which BatchNorm refuses in training. On the way, the loss the
+    README logs: each rank's weighed by its share, the idle rank's NaN left out."""
+    data = _blobs(240)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 4))  # BatchNorm sees the data
+    ref = copy.deepcopy(net[0])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = HeteroDataLoader(data, batch_size=60, seed=2)
+    model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None)
+    world = dist.get_world_size()
+    pinned = [0, 20, 40][:world]
+    pinned[-1] += 60 - sum(pinned)
+    model.pin_split(pinned)
+    largest = max(range(world), key=lambda r: (pinned[r], -r))
+    logged_err = 0.0
+    for x, y, idx in loader:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        # the README's loss for the log: NaN on the idle rank, weighed by the share
+        share = model.step_share
+        logged = loss.detach() * share if share else torch.zeros_like(loss)
+        dist.all_reduce(logged)
+        opt.step()
+        losses: list[Any] = [None] * world
+        dist.all_gather_object(losses, float(loss))
+        want = sum(b * value for b, value in zip(pinned, losses, strict=True) if b) / 60
+        logged_err = max(logged_err, abs(float(logged) - want) / want)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, idx.tolist())
+        ref(data.tensors[0][everyone[largest]])  # the largest local batch's update, alone
+    model.eval()
+    with torch.no_grad():
+        model(data.tensors[0][:8])  # DDP's buffer broadcast before a forward
+    model.train()
+    stats_err = max(float((mine - want).abs().max()) for mine, want in (
+        (net[0].running_mean, ref.running_mean), (net[0].running_var, ref.running_var)))
+    moved = float(ref.running_mean.abs().max())
+    min_local = model.planner.config.min_local
+    model.remove_hooks()
+    try:
+        small = HeteroDataParallel(nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8)),
+                                   slowdown=None)
+        small_net = small.module
+        small.attach(torch.optim.SGD(small_net.parameters(), lr=0.1),
+                     HeteroDataLoader(data, batch_size=2 * world - 1, seed=2))
+        refused = "allowed"
+    except ValueError as error:
+        refused = str(error)
+    return {"stats_err": stats_err, "moved": moved, "min_local": min_local,
+            "refused": refused, "logged_err": logged_err}
+
+
 def check_syncbn() -> dict[str, float]:
     """SyncBatchNorm over uneven counts: batch statistics, outputs and running stats
     equal one BatchNorm over the concatenated batch. torch's SyncBatchNorm runs on GPU

@@ -167,12 +167,14 @@ class CannikinAccelerator(Accelerator):
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """Accelerate's reduce; a ``"mean"`` during a training step weighs each rank's value
         by its share ``b_i / B`` of the step (DDP's plain mean, with its equal local batches,
-        is the same weighing)."""
+        is the same weighing). A rank with no samples sends zeros: its mean loss is NaN
+        (the mean of nothing), which times 0 made every rank's mean NaN."""
         shares = [m.step_share for m in self._attached()]
         share = next((s for s in shares if s is not None), None)
         if reduction == "mean" and share is not None:
             weight = share * self.num_processes
-            tensor = recursively_apply(lambda t: t * weight, tensor)
+            tensor = recursively_apply(
+                lambda t: t * weight if weight else torch.zeros_like(t), tensor)
         return super().reduce(tensor, reduction, scale)
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,

@@ -39,10 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from cannikin.losscheck import MIN_SAMPLES
 from cannikin.optperf import Plan
 from cannikin.perf import ClusterModel, PredictionTracker
+from cannikin.runtime.buffers import BufferSource, broadcast_buffers
 from cannikin.runtime.comm import (
     CommState,
     StepReadout,
@@ -221,6 +223,16 @@ def _summed_global_sqnorm(reports: Sequence[WorkerReport]) -> float | None:
     return total if math.isfinite(total) else None
 
 
+def _least_per_pass(module: nn.Module) -> int:
+    """Fewest samples a training forward of ``module`` takes: 2 where a BatchNorm layer
+    normalises each channel over the local batch and refuses one value per channel (a
+    BatchNorm1d of features, or any at 1x1 spatial size), else 1. SyncBatchNorm's
+    statistics are over every rank's samples, so it takes one, or none."""
+    refuses = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                  and not isinstance(m, nn.SyncBatchNorm) for m in module.modules())
+    return 2 if refuses else 1
+
+
 def _map_batched(value: Any, fn: Any) -> Any:
     """``fn`` applied to every tensor with a batch dimension in a nested value; 0-dim
     tensors (a loss, a scalar argument) and anything else pass through. Containers keep
@@ -317,6 +329,10 @@ class HeteroDataParallel(nn.Module):
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device])
         self.ddp = DistributedDataParallel(module, **ddp_kwargs)
+        self._buffer_source = BufferSource(group=self.ddp.process_group,
+                                           bucket_bytes=self.ddp.broadcast_bucket_size)
+        self.ddp._register_buffer_comm_hook(self._buffer_source, broadcast_buffers,
+                                            _BufferCommHookLocation.PRE_FORWARD)
         # the parameters whose gradients DDP all-reduces (:meth:`_gradients_clear`)
         self._trained = [p for p in module.parameters() if p.requires_grad]
         self.clock: Clock = clock_for(self.device)
@@ -362,6 +378,13 @@ class HeteroDataParallel(nn.Module):
         self.comm.rows_at_last = recovers
         auto = loader.autoscale
         lo, hi = auto.local_bsz_bounds if auto is not None else (1, None)
+        least = _least_per_pass(self.ddp.module)
+        if loader.batch_size < least * self.world_size:
+            raise ValueError(
+                f"batch_size={loader.batch_size} over {self.world_size} workers gives some "
+                f"worker a single sample, which the model's BatchNorm layers refuse in "
+                f"training (more than 1 value per channel): use batch_size >= "
+                f"{least * self.world_size} (the total over all workers), or SyncBatchNorm")
         # a step with a worker at 0 reduces over the busy ones only (runtime/routes.py)
         routes = not (any_gpu or recovers or self.comm.group is not None)
         planner = Planner(PlannerConfig(
@@ -369,7 +392,8 @@ class HeteroDataParallel(nn.Module):
             replan_every=options.replan_every, warmup_steps=options.warmup_steps,
             skip_steps=min(PlannerConfig.skip_steps, options.warmup_steps - 1),
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
-            max_local=hi, caps=caps, names=names, accumulate=options.max_micro_batches > 1,
+            max_local=hi, min_pass=least, caps=caps, names=names,
+            accumulate=options.max_micro_batches > 1,
             max_micro_batches=options.max_micro_batches,
             micro_batches=options.micro_batches, idle_route=routes), log_plans=self.rank == 0)
         if options.max_micro_batches > 1 and all(cap is None for cap in caps):
@@ -610,6 +634,8 @@ class HeteroDataParallel(nn.Module):
         """The loader hands out this step's split: set the weight, reset the records."""
         cycle = self._cycle
         total = sum(split)
+        if cycle.split is not None:  # the buffers its forward moved the most
+            self._buffer_source.rank = largest_batch_rank(cycle.split)
         cycle.split = split
         cycle.passes = self.micro_sizes(split[self.rank])
         cycle.pass_index = 0

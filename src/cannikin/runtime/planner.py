@@ -276,6 +276,12 @@ class PlannerConfig:
     min_local: int = 1
     """Smallest local batch a worker is planned (``local_bsz_bounds[0]``), unless it gets
     none (``allow_zero``)."""
+    min_pass: int = 1
+    """Fewest samples in one pass (a forward) of a worker that has any: 2 for a model with
+    BatchNorm layers, whose training forward refuses a single value per channel (a worker
+    planned 1 sample ended the job; DDP's equal batches never give one). ``min_local`` is
+    raised to it times the passes of :attr:`micro_batches`, and a final partial batch too
+    small for every worker goes to the fastest, at least this many each."""
     allow_zero: bool = True
     """A worker may be planned 0 samples when the step is faster so (it still joins the
     all-reduce and the update; its gradient weight is 0): on real 100/50/25% CPU workers
@@ -467,6 +473,10 @@ class PlannerConfig:
         if self.max_batch is not None and self.max_batch < self.init_batch:
             raise ValueError(f"max_batch_size {self.max_batch} is below batch_size "
                              f"{self.init_batch}")
+        if not _is_int(self.min_pass) or self.min_pass < 1:
+            raise ValueError(f"min_pass must be an integer >= 1, got {self.min_pass!r}")
+        if self.min_pass > 1:  # a lo of 0 lets optimal_split plan any batch, 1 included
+            self.min_local = max(self.min_local, self.min_pass)
         if self.min_local < 0 or (self.max_local is not None and self.max_local < self.min_local):
             raise ValueError(f"local_bsz_bounds ({self.min_local}, {self.max_local}) must "
                              "satisfy 0 <= lo <= hi")
@@ -522,8 +532,9 @@ class PlannerConfig:
             raise ValueError(f"drift_change ({self.drift_change}) must be > 0 and "
                              f"drift_sigmas ({self.drift_sigmas}) >= 0")
         if self.min_local * self.world_size > self.init_batch:
-            raise ValueError(f"local_bsz_bounds lo={self.min_local} times {self.world_size} "
-                             f"workers exceeds batch_size {self.init_batch}")
+            raised = f" (raised to min_pass={self.min_pass})" if self.min_pass > 1 else ""
+            raise ValueError(f"local_bsz_bounds lo={self.min_local}{raised} times "
+                             f"{self.world_size} workers exceeds batch_size {self.init_batch}")
 
     def _check_micro_batches(self) -> None:
         """Validate :attr:`micro_batches` and apply what it implies (before the caps are
@@ -539,14 +550,15 @@ class PlannerConfig:
             raise ValueError(f"micro_batches={passes} (every step in that many passes) and "
                              f"max_micro_batches={self.max_micro_batches} (as few as the caps "
                              f"allow, up to that many) are two rules: give one")
-        if passes * self.world_size > self.init_batch:
-            raise ValueError(f"micro_batches={passes} needs a sample per pass on each of the "
-                             f"{self.world_size} workers: batch_size must be >= "
-                             f"{passes * self.world_size}, got {self.init_batch}")
-        if self.max_local is not None and self.max_local < passes:
-            raise ValueError(f"micro_batches={passes} needs a sample per pass: local_bsz_bounds "
-                             f"hi={self.max_local} must be >= {passes}")
-        self.min_local = max(self.min_local, passes)
+        least = passes * self.min_pass
+        if least * self.world_size > self.init_batch:
+            raise ValueError(f"micro_batches={passes} needs {self.min_pass} sample(s) per pass "
+                             f"on each of the {self.world_size} workers: batch_size must be >= "
+                             f"{least * self.world_size}, got {self.init_batch}")
+        if self.max_local is not None and self.max_local < least:
+            raise ValueError(f"micro_batches={passes} needs {self.min_pass} sample(s) per pass: "
+                             f"local_bsz_bounds hi={self.max_local} must be >= {least}")
+        self.min_local = max(self.min_local, least)
         self.accumulate, self.max_micro_batches = passes > 1, 1
 
     def cap_of(self, rank: int) -> int | None:
@@ -697,11 +709,12 @@ class Planner:
         if total > self.current.total_batch or total < 0:
             raise ValueError(f"a step takes at most the planned {self.current.total_batch} "
                              f"samples, asked for {total}")
-        passes = self.config.micro_batches or 1
-        if total < passes * self.config.world_size:
-            return self._few(total, passes)
+        least = (self.config.micro_batches or 1) * self.config.min_pass
+        if total < least * self.config.world_size:
+            return self._few(total, least)
         if self.cluster_model is not None and self.config.split == "optimal":
-            # every worker keeps at least one sample while there are enough to go round
+            # every worker keeps at least one sample while there are enough to go round (and
+            # ``least``, where min_pass or micro_batches raised min_local to it)
             lo = min(self.config.min_local, total // self.config.world_size)
             try:
                 return optimal_split(self._bounded(self.cluster_model, min_local=lo),
@@ -718,13 +731,14 @@ class Planner:
             return even_passes(batch, self.config.micro_batches)
         return micro_batches(batch, self.config.micro_cap(rank))
 
-    def _few(self, total: int, passes: int) -> tuple[int, ...]:
-        """A final partial batch too small for a pass of every worker: the workers with the
-        largest shares of the plan (the fastest) get at least one sample per pass each, the
-        others none; fewer samples than passes go to one worker alone."""
+    def _few(self, total: int, least: int) -> tuple[int, ...]:
+        """A final partial batch too small for ``least`` samples (its passes, ``min_pass``
+        each) on every worker: the workers with the largest shares of the plan (the
+        fastest) get at least that many each, the others none; fewer than ``least`` go to
+        one worker alone."""
         n = self.config.world_size
         order = sorted(range(n), key=lambda r: (-self.current.local_batches[r], r))
-        chosen = set(order[:max(1, total // passes)])
+        chosen = set(order[:max(1, total // least)])
         caps = [self.config.cap_of(r) if r in chosen else 0 for r in range(n)]
         try:
             return share_split(total, np.ones(n), caps)
@@ -789,6 +803,12 @@ class Planner:
             if cap is not None and batch > cap:
                 raise ValueError(f"worker {rank} cannot take {batch} samples in a pinned split "
                                  f"{list(batches)}: its largest local batch is {cap}")
+            passes = self.passes(rank, batch)
+            if any(0 < size < self.config.min_pass for size in passes):  # an empty pass runs
+                raise ValueError(f"worker {rank} cannot take {batch} samples in a pinned split "
+                                 f"{list(batches)}: each of its passes {list(passes)} needs 0 "
+                                 f"or at least {self.config.min_pass} (min_pass: the model's "
+                                 f"BatchNorm refuses a single sample in training)")
         cluster = self.cluster_model
         predicted = None if cluster is None else cluster.expected_step_time(list(batches))
         self.current = self._record(step, "pinned", batches, predicted, cluster=cluster)

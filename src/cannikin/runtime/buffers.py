@@ -1,0 +1,36 @@
+"""Whose buffers every rank takes before a forward: the rank that trained on the most samples.
+
+DDP broadcasts the module's buffers (BatchNorm's running statistics) from rank 0 before
+each forward, so every rank's are the ones rank 0's last forward left. Under DDP rank 0
+always has ``B / n`` samples; under an uneven split it may have a few, or none: with none
+its running statistics do not move (an empty batch leaves them as they are) and every
+rank took those frozen values step after step, so the model evaluated with statistics of
+the last step rank 0 had samples (seen here on three workers, rank 0 the slowest), and
+with two samples with an average over batches of two. :func:`broadcast_buffers` sends
+them instead from the rank with the largest local batch of the step before, the one whose
+forward moved them the most, as DDP's hook for buffers allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class BufferSource:
+    """The rank (in ``group``) whose buffers the others take at the next forward."""
+
+    group: dist.ProcessGroup
+    bucket_bytes: int
+    rank: int = 0
+    """DDP's choice until a step has run: rank 0."""
+
+
+def broadcast_buffers(source: BufferSource, buffers: dict[str, torch.Tensor]) -> None:
+    """DDP's buffer hook (before the forward): its own coalesced broadcast, from
+    ``source.rank`` instead of rank 0; done when it returns, as DDP's is."""
+    dist._broadcast_coalesced(  # type: ignore[attr-defined]  # DDP's own call
+        source.group, list(buffers.values()), source.bucket_bytes, source.rank)
