@@ -25,7 +25,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
           "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss",
-          "gan", "unplannable_loops", "compiled", "batchnorm"]
+          "gan", "unplannable_loops", "compiled", "batchnorm", "idle_worker"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -242,9 +242,17 @@ def test_batchnorm_statistics_come_from_the_largest_batch_and_no_worker_gets_one
     assert bn["stats_err"] < 1e-6
     assert bn["min_local"] == 2
     assert "BatchNorm layers refuse" in bn["refused"] and "batch_size >= 6" in bn["refused"]
-    # the README's loss for the log, the ranks' losses weighed by their shares (rank 0's is
-    # NaN, the mean of no samples): the step's mean loss
-    assert bn["logged_err"] < 1e-6
+
+
+def test_an_idle_worker_says_so_once_and_its_loss_weighs_nothing(
+        figures: dict[str, Any]) -> None:
+    idle = figures["idle_worker"]  # rank 0's figures: the idle rank
+    assert idle["loss_nan"]  # the mean loss of no samples
+    assert len(idle["said"]) == 1 and "allow_idle=False" in idle["said"][0]
+    # the README's loss for the log, the ranks' losses weighed by their shares: the step's
+    # mean loss over 8 steps
+    assert idle["logged_err"] < 1e-6
+    assert idle["allow_zero"] is False  # HeteroDataParallel(allow_idle=False) reached it
 
 
 def test_a_pinned_split_holds_exactly_until_released(figures: dict[str, Any]) -> None:

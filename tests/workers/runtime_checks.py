@@ -218,20 +218,10 @@ def check_batchnorm() -> dict[str, Any]:
     pinned[-1] += 60 - sum(pinned)
     model.pin_split(pinned)
     largest = max(range(world), key=lambda r: (pinned[r], -r))
-    logged_err = 0.0
     for x, y, idx in loader:
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        # the README's loss for the log: NaN on the idle rank, weighed by the share
-        share = model.step_share
-        logged = loss.detach() * share if share else torch.zeros_like(loss)
-        dist.all_reduce(logged)
+        F.cross_entropy(model(x), y).backward()
         opt.step()
-        losses: list[Any] = [None] * world
-        dist.all_gather_object(losses, float(loss))
-        want = sum(b * value for b, value in zip(pinned, losses, strict=True) if b) / 60
-        logged_err = max(logged_err, abs(float(logged) - want) / want)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, idx.tolist())
         ref(data.tensors[0][everyone[largest]])  # the largest local batch's update, alone
@@ -254,7 +244,46 @@ def check_batchnorm() -> dict[str, Any]:
     except ValueError as error:
         refused = str(error)
     return {"stats_err": stats_err, "moved": moved, "min_local": min_local,
-            "refused": refused, "logged_err": logged_err}
+            "refused": refused}
+
+
+def check_idle_worker() -> dict[str, Any]:
+    """Rank 0 pinned at 0 samples: it says once what an empty batch means for the script,
+    and the loss the README logs (each rank's weighed by its share, the idle rank's NaN
+    left out) is the step's mean loss. ``allow_idle=False`` reaches the planner."""
+    world = dist.get_world_size()
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = HeteroDataLoader(_blobs(240), batch_size=60, seed=2)
+    model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None)
+    pinned = [0, 20, 40][:world]
+    pinned[-1] += 60 - sum(pinned)
+    model.pin_split(pinned)
+    logged_err = 0.0
+    with _KeptWarnings().keep("cannikin.runtime.parallel") as warnings:
+        for _ in range(2):
+            for x, y, _ in loader:
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                share = model.step_share
+                logged = loss.detach() * share if share else torch.zeros_like(loss)
+                dist.all_reduce(logged)
+                opt.step()
+                losses: list[Any] = [None] * world
+                dist.all_gather_object(losses, float(loss))
+                want = sum(b * value for b, value in zip(pinned, losses, strict=True) if b) / 60
+                logged_err = max(logged_err, abs(float(logged) - want) / want)
+    model.remove_hooks()
+    said = [w for w in warnings if "has 0 samples" in w]
+    busy = HeteroDataParallel(_classifier(), slowdown=None, allow_idle=False)
+    busy_net = busy.module
+    busy.attach(torch.optim.SGD(busy_net.parameters(), lr=0.1),
+                HeteroDataLoader(_blobs(240), batch_size=60, seed=2))
+    allow_zero = busy.planner.config.allow_zero
+    busy.remove_hooks()
+    return {"logged_err": logged_err, "said": said, "allow_zero": allow_zero,
+            "loss_nan": math.isnan(float(loss))}
 
 
 def check_syncbn() -> dict[str, float]:

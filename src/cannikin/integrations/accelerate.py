@@ -52,7 +52,7 @@ class CannikinAccelerator(Accelerator):
     """Accelerate's Accelerator, preparing models as HeteroDataParallel.
 
     ``split``, ``lr_scaling``, ``replan_every``, ``max_local_batch``,
-    ``max_micro_batches``, ``recover_backward_oom`` and ``metrics`` go to
+    ``max_micro_batches``, ``recover_backward_oom``, ``allow_idle`` and ``metrics`` go to
     :class:`HeteroDataParallel`; the rest to :class:`accelerate.Accelerator`.
     """
 
@@ -60,7 +60,8 @@ class CannikinAccelerator(Accelerator):
                  replan_every: int = 5,
                  max_local_batch: int | Sequence[int | None] | None = None,
                  max_micro_batches: int = 1, metrics: MetricsSink | None = None,
-                 recover_backward_oom: bool | None = None, **kwargs: Any) -> None:
+                 recover_backward_oom: bool | None = None, allow_idle: bool = True,
+                 **kwargs: Any) -> None:
         steps = kwargs.get("gradient_accumulation_steps", 1)
         if steps != 1:
             raise ValueError(
@@ -79,7 +80,8 @@ class CannikinAccelerator(Accelerator):
         self._hdp_options: dict[str, Any] = {
             "split": split, "lr_scaling": lr_scaling, "replan_every": replan_every,
             "max_local_batch": max_local_batch, "max_micro_batches": max_micro_batches,
-            "metrics": metrics, "recover_backward_oom": recover_backward_oom}
+            "metrics": metrics, "recover_backward_oom": recover_backward_oom,
+            "allow_idle": allow_idle}
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:

@@ -157,6 +157,8 @@ class _Cycle:
     """Adam is past its warm-up; None: not seen yet."""
     said_unattached: bool = False
     """The warning that training runs before :meth:`HeteroDataParallel.attach` was logged."""
+    said_idle: bool = False
+    """This rank logged what a step of 0 samples means for the script (once a run)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +175,7 @@ class _Options:
     micro_batches: int | None
     device_name: str | None
     recover_backward_oom: bool | None
+    allow_idle: bool
 
 
 @dataclass(kw_only=True)
@@ -277,6 +280,12 @@ class HeteroDataParallel(nn.Module):
     a CUDA out-of-memory in the backward (the per-step exchange then rides the last gradient
     bucket; torch >= 2.4); None (the default): where any worker's model is on a GPU and
     torch allows. The same on every rank.
+    ``allow_idle``: a worker may be planned 0 samples where the step is faster so (it still
+    joins the all-reduce and the update; the gradient stays exact). Its forward then runs
+    on an empty batch: its mean loss is NaN and per-batch metrics divide by 0, which code
+    written for DDP's equal batches may not take (pytorch/examples' ImageNet ``accuracy``
+    raises ZeroDivisionError); False keeps every worker at 1 sample or more (a final
+    partial batch of fewer samples than workers still leaves some without).
     ``slowdown``: heterogeneity
     emulation factor for this rank; None reads ``CANNIKIN_SLOWDOWN`` if it is set.
     ``slowdown_profile``: (fixed_s, per_sample_s) of the emulated reference device's
@@ -293,7 +302,7 @@ class HeteroDataParallel(nn.Module):
                  metrics: MetricsSink | None = None,
                  max_local_batch: int | Sequence[int | None] | None = None,
                  max_micro_batches: int = 1, micro_batches: int | None = None,
-                 recover_backward_oom: bool | None = None,
+                 recover_backward_oom: bool | None = None, allow_idle: bool = True,
                  slowdown: float | None = None,
                  slowdown_profile: tuple[float, float] = DEFAULT_SLOWDOWN_PROFILE,
                  device_name: str | None = None, **ddp_kwargs: Any) -> None:
@@ -324,7 +333,8 @@ class HeteroDataParallel(nn.Module):
                                  warmup_steps=warmup_steps, max_local_batch=max_local_batch,
                                  max_micro_batches=max_micro_batches,
                                  micro_batches=micro_batches, device_name=device_name,
-                                 recover_backward_oom=recover_backward_oom)
+                                 recover_backward_oom=recover_backward_oom,
+                                 allow_idle=allow_idle)
         self._emulation = self._install_slowdown(module, slowdown, slowdown_profile)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device])
@@ -392,7 +402,7 @@ class HeteroDataParallel(nn.Module):
             replan_every=options.replan_every, warmup_steps=options.warmup_steps,
             skip_steps=min(PlannerConfig.skip_steps, options.warmup_steps - 1),
             max_batch=None if auto is None else auto.max_batch_size, min_local=lo,
-            max_local=hi, min_pass=least, caps=caps, names=names,
+            max_local=hi, min_pass=least, allow_zero=options.allow_idle, caps=caps, names=names,
             accumulate=options.max_micro_batches > 1,
             max_micro_batches=options.max_micro_batches,
             micro_batches=options.micro_batches, idle_route=routes), log_plans=self.rank == 0)
@@ -636,6 +646,8 @@ class HeteroDataParallel(nn.Module):
         total = sum(split)
         if cycle.split is not None:  # the buffers its forward moved the most
             self._buffer_source.rank = largest_batch_rank(cycle.split)
+        if not split[self.rank] and not cycle.said_idle and total == self.planner.total_batch:
+            self._say_idle(split)
         cycle.split = split
         cycle.passes = self.micro_sizes(split[self.rank])
         cycle.pass_index = 0
@@ -680,6 +692,19 @@ class HeteroDataParallel(nn.Module):
         if cycle.prev_mark is None:
             cycle.prev_mark = cycle.measure_from = self.clock.mark()
             cycle.prev_cpu = time.process_time()
+
+    def _say_idle(self, split: tuple[int, ...]) -> None:
+        """Once a run, where this rank is first planned no samples of a full step: what an
+        empty local batch does to a script written for DDP's equal ones."""
+        self._cycle.said_idle = True
+        logger.warning(
+            "rank %d has 0 samples from step %d (split %s). It still joins the all-reduce "
+            "and the update, and the gradient stays the mean over the step's samples, but "
+            "its forward runs on an empty batch: its mean loss is NaN (the mean of nothing), "
+            "and a metric divided by its batch size divides by 0. Weigh logged values by "
+            "model.step_share (0 here), or pass HeteroDataParallel(allow_idle=False) to keep "
+            "every worker at 1 sample or more",
+            self.rank, self._cycle.step, list(split))
 
     def begin_pass(self, index: int) -> None:
         """Pass ``index`` of the step's micro-batches is next: DDP all-reduces only after
