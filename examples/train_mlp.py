@@ -81,7 +81,7 @@ def main() -> None:
             loss = F.cross_entropy(model(xb), yb)
             model.backward(loss)  # loss.backward(), the weight b_i / B in its seed
             optimizer.step()
-            if len(xb):  # a final partial batch smaller than the workers leaves some empty
+            if len(xb):  # none on a worker the plan idles (loss NaN), or in a tiny last batch
                 total, count = total + float(loss.detach()) * len(xb), count + len(xb)
         mean = torch.tensor([total, float(count)], device=ctx.device)
         torch.distributed.all_reduce(mean)
