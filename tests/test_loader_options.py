@@ -5,6 +5,7 @@ this process on the same steps."""
 
 from __future__ import annotations
 
+import random
 from collections import namedtuple
 from typing import Any
 
@@ -120,6 +121,36 @@ def test_worker_processes_load_the_same_batches_as_this_process(passes: bool) ->
                     assert torch.equal(mine[key], theirs[key]), key
         ids = [i for rank in workers for batch in rank for i in batch["id"].tolist()]
         assert sorted(ids) == sorted(list(range(61)) * 2)  # every sample once per epoch
+
+
+class Augmented(Dataset[dict[str, Any]]):
+    """Each sample with a random "augmentation" from torch's, numpy's and Python's RNGs, as
+    a transform draws them in ``__getitem__``."""
+
+    def __len__(self) -> int:
+        return 240
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"id": i, "torch": torch.rand(()), "numpy": float(np.random.rand()),  # noqa: NPY002
+                "python": random.random()}
+
+
+def test_worker_processes_draw_different_augmentations() -> None:
+    """Each loading process seeds torch's, numpy's and Python's RNGs of its own, as
+    DataLoader's workers do (base seed from this process's torch RNG, plus the worker's
+    number): forked with this process's states, every process drew the same values, so
+    half the samples of an epoch were augmented as others."""
+    def draws(seed: int) -> dict[str, list[float]]:
+        torch.manual_seed(seed)
+        loader = HeteroDataLoader(Augmented(), batch_size=60, seed=0, num_workers=3)
+        batches = list(loader)
+        loader.close()
+        return {rng: [float(v) for b in batches for v in b[rng]]
+                for rng in ("torch", "numpy", "python")}
+    first, other = draws(0), draws(1)
+    for rng, values in first.items():
+        assert len(set(values)) == len(values) == 240, rng  # no two samples alike
+        assert not set(values) & set(other[rng]), rng  # another seed: other draws
 
 
 def test_chunks_join_into_what_one_collate_gives() -> None:

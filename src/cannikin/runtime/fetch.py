@@ -15,6 +15,7 @@ concatenated (the same batch as collating all samples at once); a custom ``colla
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
@@ -108,8 +109,21 @@ _WORKER_STATE: dict[str, Any] = {}
 """Per worker *process*: the dataset and collate function, set once when it starts."""
 
 
-def _init_worker(dataset: Dataset[Any], collate_fn: Collate | None) -> None:
+def _init_worker(dataset: Dataset[Any], collate_fn: Collate | None, base_seed: int,
+                 started: Any) -> None:
+    """Keep the dataset and collate function, and seed this process's random number
+    generators as DataLoader seeds a worker's (``base_seed`` plus its number, counted in
+    ``started``): forked with the loader's states, every process drew the same values, and
+    a transform in ``__getitem__`` augmented the samples of each chunk as the others'."""
     torch.set_num_threads(1)
+    with started.get_lock():
+        number = started.value
+        started.value += 1
+    seed = base_seed + number
+    random.seed(seed)
+    torch.manual_seed(seed)
+    # the global RNG is the one a transform's np.random calls draw from
+    np.random.seed(np.random.SeedSequence([number, base_seed]).generate_state(4))  # noqa: NPY002
     _WORKER_STATE.update(dataset=dataset, collate_fn=collate_fn)
 
 
@@ -133,10 +147,13 @@ class ProcessFetcher(LocalFetcher):
         # fork where it exists, as DataLoader does on Linux: the dataset is inherited, not
         # pickled
         method = "fork" if "fork" in torch_mp.get_all_start_methods() else "spawn"
+        context = torch_mp.get_context(method)
+        # DataLoader's base seed: a draw of this process's torch RNG
+        base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
         self._pool = ProcessPoolExecutor(
-            max_workers=num_workers, mp_context=torch_mp.get_context(method),
-            initializer=_init_worker,
-            initargs=(dataset, default_collate if self._collate_in_worker else None))
+            max_workers=num_workers, mp_context=context, initializer=_init_worker,
+            initargs=(dataset, default_collate if self._collate_in_worker else None,
+                      base_seed, context.Value("i", 0)))
         self._ahead: tuple[IndexArray, list[Future[Batch]]] | None = None
         self._closed = False
 
