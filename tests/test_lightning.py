@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.utils.data import DataLoader, Dataset, WeightedRandomSampler
 
 from dist_utils import WORKERS, run_torchrun
 
@@ -107,3 +108,38 @@ def test_mixed_precision_trains_and_measures(figures: dict[str, Any]) -> None:
     got = figures["bf16"]  # Lightning's MixedPrecision plugin, bf16 autocast on CPU
     assert got["steps"] == 8 and got["finite"]
     assert got["bwd_s"] and all(b > 0 for b in got["bwd_s"])
+
+
+class _Marked(Dataset[int]):
+    """Each sample is the number its loading process's worker_init_fn was given."""
+
+    number = -1
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> int:
+        return _Marked.number
+
+
+def _mark(number: int) -> None:
+    _Marked.number = number
+
+
+def test_the_dataloader_becomes_a_hetero_loader_or_is_refused_by_name() -> None:
+    """The training DataLoader's worker_init_fn is kept; a sampler the HeteroDataLoader
+    cannot keep (weights: Lightning wraps it in a DistributedSampler, which read as a plain
+    shuffle, every sample drawn alike, without a word) is refused, naming it."""
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    from cannikin.integrations.lightning import _hetero_loader
+
+    loader = _hetero_loader(DataLoader(_Marked(), batch_size=4, num_workers=2,
+                                       worker_init_fn=_mark), replicas=2)
+    marks = {int(m) for batch in loader for m in batch}
+    loader.close()
+    assert marks and marks <= {0, 1}
+    weighted = WeightedRandomSampler([1.0] * 16, 16)
+    for sampler in (weighted, DistributedSamplerWrapper(weighted, num_replicas=2, rank=0)):
+        with pytest.raises(ValueError, match="DataLoader's WeightedRandomSampler"):
+            _hetero_loader(DataLoader(_Marked(), batch_size=4, sampler=sampler), replicas=2)

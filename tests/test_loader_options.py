@@ -153,6 +153,30 @@ def test_worker_processes_draw_different_augmentations() -> None:
         assert not set(values) & set(other[rng]), rng  # another seed: other draws
 
 
+class Marked(Dataset[dict[str, Any]]):
+    """Each sample with the number its loading process's ``worker_init_fn`` was given."""
+
+    number = -1
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"id": i, "worker": Marked.number}
+
+
+def _mark(number: int) -> None:
+    Marked.number = number
+
+
+def test_worker_init_fn_runs_in_each_loading_process_with_its_number() -> None:
+    loader = HeteroDataLoader(Marked(), batch_size=30, num_workers=3, worker_init_fn=_mark)
+    marks = {int(w) for batch in loader for w in batch["worker"]}
+    loader.close()
+    assert marks and marks <= {0, 1, 2}  # every sample loaded after its process's call
+    assert Marked.number == -1  # in those processes, not this one
+
+
 def test_chunks_join_into_what_one_collate_gives() -> None:
     samples = [Sample(torch.randn(2, 3), i, f"n{i}") for i in range(7)]
     whole = default_collate(samples)

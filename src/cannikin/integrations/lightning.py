@@ -47,7 +47,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 from cannikin.runtime.parallel import MetricsSink
@@ -369,15 +369,25 @@ def _refuse_unsupported(trainer: pl.Trainer) -> None:
 def _hetero_loader(dataloader: DataLoader[Any], replicas: int) -> HeteroDataLoader:
     """A HeteroDataLoader over ``dataloader``'s dataset: the same per-rank batch times
     ``replicas`` (world size x micro-batches) in total, the same shuffling (and seed),
-    collate, workers and pinning."""
+    collate, workers, their init function and pinning; another sampler is refused."""
     if dataloader.batch_size is None:
         raise ValueError("CannikinStrategy needs the training DataLoader's batch_size (a "
                          "batch_sampler cannot be split unevenly)")
     sampler = dataloader.sampler
+    if type(sampler) not in (RandomSampler, SequentialSampler, DistributedSampler):
+        # Lightning's DistributedSamplerWrapper keeps the user's sampler in its dataset
+        own = getattr(getattr(sampler, "dataset", None), "_sampler", sampler)
+        raise ValueError(
+            f"CannikinStrategy trains on a HeteroDataLoader over the DataLoader's dataset, "
+            f"which draws every sample once per epoch, shuffled or in order: the "
+            f"DataLoader's {type(own).__name__} (its weights, subset or order) would be "
+            f"dropped. Give the DataLoader shuffle=True or False (a Subset of the dataset "
+            f"for a subset)")
     shuffle = isinstance(sampler, RandomSampler) or (
         isinstance(sampler, DistributedSampler) and sampler.shuffle)
     seed = sampler.seed if isinstance(sampler, DistributedSampler) else 0
     return HeteroDataLoader(dataloader.dataset, batch_size=dataloader.batch_size * replicas,
                             shuffle=shuffle, seed=seed, drop_last=dataloader.drop_last,
                             collate_fn=dataloader.collate_fn, num_workers=dataloader.num_workers,
-                            pin_memory=dataloader.pin_memory)
+                            pin_memory=dataloader.pin_memory,
+                            worker_init_fn=dataloader.worker_init_fn)

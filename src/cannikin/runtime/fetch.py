@@ -110,11 +110,12 @@ _WORKER_STATE: dict[str, Any] = {}
 
 
 def _init_worker(dataset: Dataset[Any], collate_fn: Collate | None, base_seed: int,
-                 started: Any) -> None:
+                 started: Any, worker_init_fn: Callable[[int], None] | None) -> None:
     """Keep the dataset and collate function, and seed this process's random number
     generators as DataLoader seeds a worker's (``base_seed`` plus its number, counted in
-    ``started``): forked with the loader's states, every process drew the same values, and
-    a transform in ``__getitem__`` augmented the samples of each chunk as the others'."""
+    ``started``), then call ``worker_init_fn`` with the number, as DataLoader does: forked
+    with the loader's states, every process drew the same values, and a transform in
+    ``__getitem__`` augmented the samples of each chunk as the others'."""
     torch.set_num_threads(1)
     with started.get_lock():
         number = started.value
@@ -125,6 +126,8 @@ def _init_worker(dataset: Dataset[Any], collate_fn: Collate | None, base_seed: i
     # the global RNG is the one a transform's np.random calls draw from
     np.random.seed(np.random.SeedSequence([number, base_seed]).generate_state(4))  # noqa: NPY002
     _WORKER_STATE.update(dataset=dataset, collate_fn=collate_fn)
+    if worker_init_fn is not None:
+        worker_init_fn(number)
 
 
 def _load_chunk(indices: list[int]) -> Batch:
@@ -140,7 +143,7 @@ class ProcessFetcher(LocalFetcher):
     prefetches = True
 
     def __init__(self, dataset: Dataset[Any], collate_fn: Collate, pin_memory: bool,
-                 num_workers: int) -> None:
+                 num_workers: int, worker_init_fn: Callable[[int], None] | None = None) -> None:
         super().__init__(dataset, collate_fn, pin_memory)
         self.num_workers = num_workers
         self._collate_in_worker = collate_fn is default_collate
@@ -153,7 +156,7 @@ class ProcessFetcher(LocalFetcher):
         self._pool = ProcessPoolExecutor(
             max_workers=num_workers, mp_context=context, initializer=_init_worker,
             initargs=(dataset, default_collate if self._collate_in_worker else None,
-                      base_seed, context.Value("i", 0)))
+                      base_seed, context.Value("i", 0), worker_init_fn))
         self._ahead: tuple[IndexArray, list[Future[Batch]]] | None = None
         self._closed = False
 
@@ -196,8 +199,10 @@ class ProcessFetcher(LocalFetcher):
 
 
 def make_fetcher(dataset: Dataset[Any], collate_fn: Collate, *, num_workers: int,
-                 pin_memory: bool) -> LocalFetcher:
-    """The fetcher for these DataLoader-style options (``num_workers`` 0: this process)."""
+                 pin_memory: bool,
+                 worker_init_fn: Callable[[int], None] | None = None) -> LocalFetcher:
+    """The fetcher for these DataLoader-style options (``num_workers`` 0: this process, and
+    ``worker_init_fn`` is not called, as with DataLoader)."""
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not (
             0 <= num_workers <= (os.cpu_count() or 1) * 4):
         raise ValueError(f"num_workers must be an integer in [0, {(os.cpu_count() or 1) * 4}] "
@@ -206,4 +211,4 @@ def make_fetcher(dataset: Dataset[Any], collate_fn: Collate, *, num_workers: int
         pin_memory = False  # as DataLoader: nothing to pin for without a GPU
     if num_workers == 0 or isinstance(dataset, TensorDataset):
         return LocalFetcher(dataset, collate_fn, pin_memory)
-    return ProcessFetcher(dataset, collate_fn, pin_memory, num_workers)
+    return ProcessFetcher(dataset, collate_fn, pin_memory, num_workers, worker_init_fn)

@@ -140,7 +140,8 @@ class HeteroDataLoader:
     the ones DistributedSampler with ``shuffle=False`` gives the ranks together).
     ``num_workers`` processes load the samples, the next step's while this one trains
     (:mod:`cannikin.runtime.fetch`; a TensorDataset is always indexed in this process);
-    ``pin_memory`` as DataLoader's.
+    ``pin_memory`` and ``worker_init_fn`` (called with the process's number in each, after
+    it is seeded as a DataLoader worker is) as DataLoader's.
     ``rank`` and ``world_size`` each default to the default process group's (or 0 and 1
     without one); HeteroDataParallel sets them when it attaches.
     """
@@ -148,7 +149,8 @@ class HeteroDataLoader:
     def __init__(self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = False,
                  collate_fn: Callable[[list[Any]], Batch] | None = None, num_workers: int = 0,
-                 pin_memory: bool = False, rank: int | None = None,
+                 pin_memory: bool = False,
+                 worker_init_fn: Callable[[int], None] | None = None, rank: int | None = None,
                  world_size: int | None = None) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -167,6 +169,7 @@ class HeteroDataLoader:
         self.collate_fn = collate_fn or default_collate
         self.sampler = UnevenSampler(size, seed=seed, drop_last=drop_last, shuffle=shuffle)
         self.fetcher = make_fetcher(dataset, self.collate_fn, num_workers=num_workers,
+                                    worker_init_fn=worker_init_fn,
                                     pin_memory=pin_memory)
         initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
         if world_size is None:
