@@ -6,7 +6,7 @@ this process on the same steps."""
 from __future__ import annotations
 
 import random
-from collections import namedtuple
+from collections import UserDict, namedtuple
 from typing import Any
 
 import numpy as np
@@ -175,6 +175,25 @@ def test_worker_init_fn_runs_in_each_loading_process_with_its_number() -> None:
     loader.close()
     assert marks and marks <= {0, 1, 2}  # every sample loaded after its process's call
     assert Marked.number == -1  # in those processes, not this one
+
+
+class Encoding(UserDict[str, Any]):
+    """A mapping that is not a dict, as a tokenizer's BatchEncoding."""
+
+
+def encoded(samples: list[dict[str, Any]]) -> Encoding:
+    return Encoding(default_collate([{k: s[k] for k in ("x", "id")} for s in samples]))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_empty_local_batch_keeps_its_mapping_type_and_no_sample(num_workers: int) -> None:
+    """A worker with no samples gets an empty batch of the collate's type: a BatchEncoding
+    (not a dict) came back whole, one sample of the dataset, and the worker trained on it."""
+    fetcher = make_fetcher(Records(), encoded, num_workers=num_workers, pin_memory=False)
+    empty = fetcher.fetch(np.array([], dtype=np.int64))
+    fetcher.close()
+    assert type(empty) is Encoding
+    assert empty["x"].shape == (0, 3) and empty["id"].shape == (0,)
 
 
 def test_chunks_join_into_what_one_collate_gives() -> None:
