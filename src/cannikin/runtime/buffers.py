@@ -2,13 +2,13 @@
 
 DDP broadcasts the module's buffers (BatchNorm's running statistics) from rank 0 before
 each forward, so every rank's are the ones rank 0's last forward left. Under DDP rank 0
-always has ``B / n`` samples; under an uneven split it may have a few, or none: with none
-its running statistics do not move (an empty batch leaves them as they are) and every
-rank took those frozen values step after step, so the model evaluated with statistics of
-the last step rank 0 had samples (seen here on three workers, rank 0 the slowest), and
-with two samples with an average over batches of two. :func:`broadcast_buffers` sends
-them instead from the rank with the largest local batch of the step before, the one whose
-forward moved them the most, as DDP's hook for buffers allows.
+always has ``B / n`` samples; under an uneven split it may have a few, or none. With none
+its running statistics stand still (an empty batch leaves them as they are), and every
+rank trained, and the model was evaluated, on the statistics of the last step where rank
+0 had samples (three emulated workers, rank 0 the slowest); with two, on an average over
+batches of two. :func:`broadcast_buffers` sends them instead from the rank with the
+largest local batch of the step before, whose forward moved them the most, through DDP's
+hook for buffers.
 """
 
 from __future__ import annotations

@@ -702,8 +702,8 @@ class HeteroDataParallel(nn.Module):
             "and the update, and the gradient stays the mean over the step's samples, but "
             "its forward runs on an empty batch: its mean loss is NaN (the mean of nothing), "
             "and a metric divided by its batch size divides by 0. Weigh logged values by "
-            "model.step_share (0 here), or pass HeteroDataParallel(allow_idle=False) to keep "
-            "every worker at 1 sample or more",
+            "model.step_share (0 here), or pass allow_idle=False (to HeteroDataParallel, "
+            "CannikinStrategy or CannikinAccelerator) to keep every worker at 1 sample or more",
             self.rank, self._cycle.step, list(split))
 
     def begin_pass(self, index: int) -> None:
