@@ -4,9 +4,9 @@ DDP broadcasts the module's buffers (BatchNorm's running statistics) from rank 0
 each forward, so every rank's are the ones rank 0's last forward left. Under DDP rank 0
 always has ``B / n`` samples; under an uneven split it may have a few, or none. With none
 its running statistics stand still (an empty batch leaves them as they are), and every
-rank trained, and the model was evaluated, on the statistics of the last step where rank
-0 had samples (three emulated workers, rank 0 the slowest); with two, on an average over
-batches of two. :func:`broadcast_buffers` sends them instead from the rank with the
+rank held, and the model was evaluated with, those of the last step where rank 0 had
+samples (three emulated workers, rank 0 the slowest); with two, an average over batches
+of two. :func:`broadcast_buffers` sends them instead from the rank with the
 largest local batch of the step before, whose forward moved them the most, through DDP's
 hook for buffers.
 """
