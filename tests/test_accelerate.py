@@ -42,6 +42,7 @@ def test_what_assumes_even_batches_follows_the_uneven_split(figures: dict[str, A
     idle = figures["idle"]
     assert math.isnan(idle["losses"][0])
     assert idle["reduced"] == pytest.approx(idle["losses"][1], rel=1e-6)
+    assert idle["gathered"] == 32  # gather_for_metrics: rank 1's rows, none from rank 0
     # a prepared scheduler steps once per optimizer step (Accelerate's default: once per
     # process, which ended a schedule sized by len(loader) after half of it on 2 ranks)
     assert figures["schedule_steps"] == 6

@@ -112,10 +112,11 @@ def idle_reduce(accelerator: CannikinAccelerator) -> dict[str, Any]:
     loss = F.cross_entropy(model(x), y)
     accelerator.backward(loss)
     reduced = float(accelerator.reduce(loss.detach(), reduction="mean"))
+    gathered = accelerator.gather_for_metrics(y)  # rank 0 has no rows
     optimizer.step()
     losses: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(losses, float(loss))
-    return {"reduced": reduced, "losses": losses}
+    return {"reduced": reduced, "losses": losses, "gathered": len(gathered)}
 
 
 def main() -> None:
