@@ -110,6 +110,16 @@ def test_mixed_precision_trains_and_measures(figures: dict[str, Any]) -> None:
     assert got["bwd_s"] and all(b > 0 for b in got["bwd_s"])
 
 
+def test_an_idle_workers_loss_logged_as_the_readme_says_keeps_the_epoch_mean(
+        figures: dict[str, Any]) -> None:
+    """Rank 0 pinned at 0 samples, ``self.log(loss.nan_to_num(), on_epoch=True,
+    sync_dist=True)``: the epoch's value is the mean over its samples (with the NaN loss
+    itself, Lightning's epoch value was NaN on both ranks)."""
+    idle = figures["idle"]
+    assert idle["idle"] == 7  # every full step of 32 (the last 16 samples are planned anew)
+    assert idle["logged"] == pytest.approx(idle["want"], rel=1e-6)
+
+
 class _Marked(Dataset[int]):
     """Each sample is the number its loading process's worker_init_fn was given."""
 

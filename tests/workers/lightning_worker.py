@@ -286,13 +286,50 @@ def refusals() -> dict[str, str]:
     return said
 
 
+class IdleLogged(Classifier):
+    """Rank 0 pinned at 0 samples; the loss logged per step and per epoch as the README
+    says, ``loss.nan_to_num()`` (the idle rank's mean loss is NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.1)
+        self.losses: list[tuple[float, int]] = []
+        self.epoch_loss = float("nan")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("loss", loss.nan_to_num(), on_step=True, on_epoch=True, sync_dist=True)
+        self.losses.append((float(loss.nan_to_num()), len(y)))
+        return loss
+
+    def on_train_start(self) -> None:
+        self.trainer.strategy.model.pin_split([0, 32])  # the HeteroDataParallel
+
+    def on_train_epoch_end(self) -> None:
+        self.epoch_loss = float(self.trainer.callback_metrics["loss_epoch"])
+
+
+def idle_epoch_loss() -> dict[str, Any]:
+    """The epoch's logged mean loss against the mean over the epoch's samples."""
+    module = IdleLogged()
+    trainer(CannikinStrategy(), max_epochs=1).fit(module, DataLoader(blobs(), batch_size=16,
+                                                                     shuffle=True))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, module.losses)
+    steps = [step for rank in everyone for step in rank]
+    want = sum(value * n for value, n in steps) / sum(n for _, n in steps)
+    return {"logged": module.epoch_loss, "want": want,
+            "idle": sum(1 for _, n in everyone[0] if n == 0)}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out = Path(sys.argv[1])
     folder = Path(sys.argv[2])
     results = {"gradient": gradient_check(), "accumulation": accumulation(),
                "growing": growing_batch(), "optimal": optimal_split(),
-               "resume": resume(folder), "bf16": mixed_precision(), "refused": refusals()}
+               "resume": resume(folder), "bf16": mixed_precision(), "refused": refusals(),
+               "idle": idle_epoch_loss()}
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
 
