@@ -204,8 +204,7 @@ def check_grad_batchnorm() -> dict[str, float]:
 def check_batchnorm() -> dict[str, Any]:
     """A model with BatchNorm: its running statistics are those of the rank with the most
     samples (DDP's rank 0 held at 0 samples froze them for every rank), and no worker is
-    planned a single sample, which BatchNorm refuses in training. On the way, the loss the
-    README logs: each rank's weighed by its share, the idle rank's NaN left out."""
+    planned a single sample, which BatchNorm refuses in training."""
     data = _blobs(240)
     torch.manual_seed(0)
     net = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 4))  # BatchNorm sees the data
