@@ -103,6 +103,9 @@ class _Cycle:
     last_metrics: dict[str, Any] = field(default_factory=dict)
     split: tuple[int, ...] | None = None
     """This step's local batches."""
+    largest: int = 0
+    """The rank with this step's largest local batch (:func:`largest_batch_rank`); before
+    any step 0, DDP's source of the buffers."""
     previous: StepReport | None = None
     """This rank's last finished step (the next exchange carries it)."""
     prev_mark: Any = None
@@ -644,8 +647,7 @@ class HeteroDataParallel(nn.Module):
         """The loader hands out this step's split: set the weight, reset the records."""
         cycle = self._cycle
         total = sum(split)
-        if cycle.split is not None:  # the buffers its forward moved the most
-            self._buffer_source.rank = largest_batch_rank(cycle.split)
+        self._buffer_source.rank = cycle.largest  # the step before's: its forward moved them most
         if not split[self.rank] and not cycle.said_idle and total == self.planner.total_batch:
             self._say_idle(split)
         cycle.split = split
@@ -679,7 +681,8 @@ class HeteroDataParallel(nn.Module):
                                            or cycle.step % NORM_STRIDE == 0)
         self.comm.capture_sqnorm = cycle.norms
         self.comm.times_buckets = cycle.measuring
-        self.comm.takes_global = largest_batch_rank(split) == self.rank
+        cycle.largest = largest_batch_rank(split)
+        self.comm.takes_global = cycle.largest == self.rank
         routes = self.attached.idle_routes
         self.comm.route = None if routes is None else routes.route(split)
         if cycle.norms and len(cycle.passes) > 1:
