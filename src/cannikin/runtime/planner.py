@@ -550,7 +550,7 @@ class PlannerConfig:
             raise ValueError(f"micro_batches={passes} (every step in that many passes) and "
                              f"max_micro_batches={self.max_micro_batches} (as few as the caps "
                              f"allow, up to that many) are two rules: give one")
-        least = passes * self.min_pass
+        least = self.least_busy
         if least * self.world_size > self.init_batch:
             raise ValueError(f"micro_batches={passes} needs {self.min_pass} sample(s) per pass "
                              f"on each of the {self.world_size} workers: batch_size must be >= "
@@ -560,6 +560,12 @@ class PlannerConfig:
                              f"local_bsz_bounds hi={self.max_local} must be >= {least}")
         self.min_local = max(self.min_local, least)
         self.accumulate, self.max_micro_batches = passes > 1, 1
+
+    @property
+    def least_busy(self) -> int:
+        """Fewest samples of a worker that has any: ``min_pass`` in each of its
+        :attr:`micro_batches` passes."""
+        return (self.micro_batches or 1) * self.min_pass
 
     def cap_of(self, rank: int) -> int | None:
         """Worker ``rank``'s largest local batch (its memory cap, times the passes it may
@@ -709,7 +715,7 @@ class Planner:
         if total > self.current.total_batch or total < 0:
             raise ValueError(f"a step takes at most the planned {self.current.total_batch} "
                              f"samples, asked for {total}")
-        least = (self.config.micro_batches or 1) * self.config.min_pass
+        least = self.config.least_busy
         if total < least * self.config.world_size:
             return self._few(total, least)
         if self.cluster_model is not None and self.config.split == "optimal":
