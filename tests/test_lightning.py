@@ -35,6 +35,13 @@ def test_the_gradient_is_the_mean_over_the_uneven_split(figures: dict[str, Any])
     assert got["logged_loss_err"] < 1e-5
 
 
+def test_the_even_splits_hook_free_steps_give_the_mean_gradient(figures: dict[str, Any]) -> None:
+    got = figures["hook_free"]
+    assert got["splits"] == [[16, 16]] * 6
+    assert sum(got["hook_free"]) >= 2, got["hook_free"]  # Lightning's backward through the twin
+    assert got["rel_err"] < 1e-5 and got["logged_loss_err"] < 1e-5
+
+
 def test_accumulate_grad_batches_is_a_step_of_all_its_samples(figures: dict[str, Any]) -> None:
     got = figures["accumulation"]  # accumulate_grad_batches=3, batch_size=7, 2 ranks, 250
     # DDP's step of 3 x 7 x 2 = 42 samples, split 12/30 by rank 0's cap of 4 per pass

@@ -25,7 +25,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
           "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss",
-          "gan", "unplannable_loops", "compiled", "batchnorm", "idle_worker"]
+          "gan", "unplannable_loops", "compiled", "batchnorm", "idle_worker", "hook_free"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -253,6 +253,18 @@ def test_an_idle_worker_says_so_once_and_its_loss_weighs_nothing(
     # mean loss over 8 steps
     assert idle["logged_err"] < 1e-6
     assert idle["allow_zero"] is False  # HeteroDataParallel(allow_idle=False) reached it
+
+
+def test_unmeasured_even_steps_run_hook_free_and_exactly(figures: dict[str, Any]) -> None:
+    free = figures["hook_free"]
+    kinds = free["kinds"]
+    # the stride of 4 measures one step and exchanges on the next: half run hook-free
+    assert 0.4 <= sum(kinds) / len(kinds) <= 0.6, kinds
+    assert free["rel_err"] < 1e-5, free
+    assert free["apart"] < 1e-5, free  # the same training as through the hook alone
+    assert "never all-reduced" in free["refused"] and free["unchanged"], free
+    # a dataclass output: its tensor watched for the backward, so the step is not refused
+    assert free["scores_free"] >= 1 and free["scores_err"] < 1e-5, free
 
 
 def test_a_pinned_split_holds_exactly_until_released(figures: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ names another; checks named ``cuda_*`` run the check of the rest of the name on 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -459,6 +460,91 @@ def check_pinned_split() -> dict[str, Any]:
     return {"pinned": pinned, "splits": splits, "rel_err": worst, "exchanged": exchanged,
             "measured": measured, "fitted": fitted,
             "history": [[r.step, r.reason, list(r.local_batches)] for r in model.plan_history]}
+
+
+@dataclasses.dataclass
+class Scores:
+    """A forward's output of no container type DDP or torch knows but a dataclass."""
+
+    logits: torch.Tensor
+
+
+class ScoresNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _classifier()
+
+    def forward(self, x: torch.Tensor) -> Scores:
+        return Scores(self.net(x))
+
+
+def check_hook_free() -> dict[str, Any]:
+    """At an even split the steps that measure and exchange nothing run through the
+    hook-free twin: one process's gradient with ``model.backward(loss)`` and with a plain
+    ``loss.backward()`` (taken in turns), the same training as without the twin; and a
+    loss made by ``model.module(x)`` on such a step is refused before the update."""
+    data = _blobs(240)
+    world = dist.get_world_size()
+    trained, kinds, worst = [], [], 0.0
+    for hook_free in (True, False):
+        net = _classifier()
+        ref = copy.deepcopy(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        loader = HeteroDataLoader(data, batch_size=20 * world, seed=4)
+        model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None,
+                                   hook_free=hook_free)
+        model.pin_split([20] * world)
+        for _ in range(2):
+            for step, (x, y, idx) in enumerate(loader):
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                if step % 2:
+                    loss.backward()
+                else:
+                    model.backward(loss)
+                if hook_free:
+                    kinds.append(model._cycle.hook_free)
+                    ref.load_state_dict(net.state_dict())  # one process at this step
+                    worst = max(worst, _gradient_error(net, ref, data, idx, CPU))
+                opt.step()
+        trained.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+        if hook_free:  # a step through the twin whose loss bypasses DDP's forward
+            batches = iter(loader)
+            x, y, _ = next(batches)
+            while not model._cycle.hook_free:
+                opt.zero_grad()
+                model.backward(F.cross_entropy(model(x), y))
+                opt.step()
+                x, y, _ = next(batches)
+            before = [p.detach().clone() for p in net.parameters()]
+            opt.zero_grad()
+            F.cross_entropy(model.module(x), y).backward()
+            try:
+                opt.step()
+                refused = "stepped"
+            except RuntimeError as error:
+                refused = str(error)
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, net.parameters(),
+                                                              strict=True))
+        model.remove_hooks()
+    apart = float((trained[0] - trained[1]).abs().max() / trained[1].abs().max())
+    scores = ScoresNet()  # its hook-free steps find the output's tensor in the dataclass
+    ref = copy.deepcopy(scores.net)
+    opt = torch.optim.SGD(scores.parameters(), lr=0.1)
+    loader = HeteroDataLoader(data, batch_size=20 * world, seed=4)
+    model = HeteroDataParallel(scores, opt, loader, split="optimal", slowdown=None)
+    model.pin_split([20] * world)
+    scores_free, scores_err = 0, 0.0
+    for x, y, idx in loader:
+        opt.zero_grad()
+        model.backward(F.cross_entropy(model(x).logits, y))
+        scores_free += model._cycle.hook_free
+        ref.load_state_dict(scores.net.state_dict())
+        scores_err = max(scores_err, _gradient_error(scores.net, ref, data, idx, CPU))
+        opt.step()
+    model.remove_hooks()
+    return {"kinds": kinds, "rel_err": worst, "apart": apart, "refused": refused,
+            "unchanged": unchanged, "scores_free": scores_free, "scores_err": scores_err}
 
 
 def check_compiled() -> dict[str, Any]:

@@ -52,8 +52,8 @@ class CannikinAccelerator(Accelerator):
     """Accelerate's Accelerator, preparing models as HeteroDataParallel.
 
     ``split``, ``lr_scaling``, ``replan_every``, ``max_local_batch``,
-    ``max_micro_batches``, ``recover_backward_oom``, ``allow_idle`` and ``metrics`` go to
-    :class:`HeteroDataParallel`; the rest to :class:`accelerate.Accelerator`.
+    ``max_micro_batches``, ``recover_backward_oom``, ``allow_idle``, ``hook_free`` and
+    ``metrics`` go to :class:`HeteroDataParallel`; the rest to :class:`accelerate.Accelerator`.
     """
 
     def __init__(self, *args: Any, split: str = "optimal", lr_scaling: str = "auto",
@@ -61,7 +61,7 @@ class CannikinAccelerator(Accelerator):
                  max_local_batch: int | Sequence[int | None] | None = None,
                  max_micro_batches: int = 1, metrics: MetricsSink | None = None,
                  recover_backward_oom: bool | None = None, allow_idle: bool = True,
-                 **kwargs: Any) -> None:
+                 hook_free: bool = True, **kwargs: Any) -> None:
         steps = kwargs.get("gradient_accumulation_steps", 1)
         if steps != 1:
             raise ValueError(
@@ -81,7 +81,7 @@ class CannikinAccelerator(Accelerator):
             "split": split, "lr_scaling": lr_scaling, "replan_every": replan_every,
             "max_local_batch": max_local_batch, "max_micro_batches": max_micro_batches,
             "metrics": metrics, "recover_backward_oom": recover_backward_oom,
-            "allow_idle": allow_idle}
+            "allow_idle": allow_idle, "hook_free": hook_free}
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:

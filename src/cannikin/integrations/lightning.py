@@ -60,8 +60,8 @@ class CannikinStrategy(DDPStrategy):
 
     ``split``, ``lr_scaling``, ``replan_every``, ``max_local_batch`` (the most samples of
     one forward and backward: of a micro-batch with ``accumulate_grad_batches``),
-    ``metrics`` and ``allow_idle`` go to :class:`HeteroDataParallel`; ``max_batch_size`` (with
-    ``local_bsz_bounds``) lets the total batch of a step grow by goodput
+    ``metrics``, ``allow_idle`` and ``hook_free`` go to :class:`HeteroDataParallel`;
+    ``max_batch_size`` (with ``local_bsz_bounds``) lets the total batch of a step grow by goodput
     (:meth:`HeteroDataLoader.autoscale_batch_size`). ``max_micro_batches`` above 1 is
     refused (use ``Trainer(accumulate_grad_batches=)``). Other keyword arguments are DDP's.
     """
@@ -73,7 +73,7 @@ class CannikinStrategy(DDPStrategy):
                  max_micro_batches: int = 1, max_batch_size: int | None = None,
                  local_bsz_bounds: tuple[int, int | None] | None = None,
                  metrics: MetricsSink | None = None, allow_idle: bool = True,
-                 **ddp_kwargs: Any) -> None:
+                 hook_free: bool = True, **ddp_kwargs: Any) -> None:
         if max_micro_batches != 1:
             raise ValueError(
                 f"CannikinStrategy(max_micro_batches={max_micro_batches!r}): it gives each "
@@ -85,7 +85,8 @@ class CannikinStrategy(DDPStrategy):
         super().__init__(**ddp_kwargs)
         self._hdp_options: dict[str, Any] = {
             "split": split, "lr_scaling": lr_scaling, "replan_every": replan_every,
-            "max_local_batch": max_local_batch, "metrics": metrics, "allow_idle": allow_idle}
+            "max_local_batch": max_local_batch, "metrics": metrics, "allow_idle": allow_idle,
+            "hook_free": hook_free}
         self._autoscale = (max_batch_size, local_bsz_bounds)
         self._restored: dict[str, Any] | None = None
         self._wrapped: HeteroDataParallel | None = None

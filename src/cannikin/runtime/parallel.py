@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, NoReturn, Protocol
 
 import numpy as np
@@ -162,6 +162,11 @@ class _Cycle:
     """The warning that training runs before :meth:`HeteroDataParallel.attach` was logged."""
     said_idle: bool = False
     """This rank logged what a step of 0 samples means for the script (once a run)."""
+    hook_free: bool = False
+    """This step runs through :attr:`_Attached.hook_free` (every rank alike)."""
+    reached: bool = False
+    """A backward of this hook-free step ran through this model's forward output (so
+    through the twin's all-reduce), where the hook's count says so on any other step."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +184,7 @@ class _Options:
     device_name: str | None
     recover_backward_oom: bool | None
     allow_idle: bool
+    hook_free: bool
 
 
 @dataclass(kw_only=True)
@@ -201,22 +207,36 @@ class _Attached:
     GPU job (its out-of-memory handling sends the exchange with the last bucket) and one
     whose model reduces over a process group of its own."""
     hooks: list[Any]
+    hook_free: DistributedDataParallel | None = None
+    """A second DDP over the same module, without a comm hook, for the steps that need
+    nothing of the hook (:meth:`HeteroDataParallel._runs_hook_free`): DDP's all-reduce in
+    C++. Any Python comm hook costs CPU in the backward (the reducer calls into Python for
+    each bucket, and each bucket's future must hold a Python object), which a worker held
+    to a quarter of a core pays four times over in wall time. None: every step takes the
+    hook (``hook_free=False``, or a job whose every step exchanges)."""
 
 
 class MetricsSink(Protocol):
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
 
 
-def _first_grad_tensor(value: Any) -> torch.Tensor | None:
+def _grad_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors that require a gradient in a forward's (nested) output, in order: in
+    tuples, lists, dicts and dataclasses, as DDP finds them."""
     if isinstance(value, torch.Tensor):
-        return value if value.requires_grad else None
+        if value.requires_grad:
+            yield value
+        return
+    if is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, f.name) for f in fields(value)]
     items = value.values() if isinstance(value, dict) else value
     if isinstance(items, tuple | list) or isinstance(value, dict):
         for item in items:
-            found = _first_grad_tensor(item)
-            if found is not None:
-                return found
-    return None
+            yield from _grad_tensors(item)
+
+
+def _first_grad_tensor(value: Any) -> torch.Tensor | None:
+    return next(_grad_tensors(value), None)
 
 
 def _summed_global_sqnorm(reports: Sequence[WorkerReport]) -> float | None:
@@ -289,6 +309,11 @@ class HeteroDataParallel(nn.Module):
     written for DDP's equal batches may not take (pytorch/examples' ImageNet ``accuracy``
     raises ZeroDivisionError); False keeps every worker at 1 sample or more (a final
     partial batch of fewer samples than workers still leaves some without).
+    ``hook_free``: a step that needs nothing of the comm hook (every worker one pass of the
+    same batch, nothing measured or exchanged: most steps at an even split) runs through a
+    second DDP over the same module without the hook, DDP's all-reduce in C++; that costs
+    one more copy of the gradients in memory (its buckets). CPU jobs only: where a worker
+    is on a GPU every step exchanges, and no second DDP is made. False: no second DDP.
     ``slowdown``: heterogeneity
     emulation factor for this rank; None reads ``CANNIKIN_SLOWDOWN`` if it is set.
     ``slowdown_profile``: (fixed_s, per_sample_s) of the emulated reference device's
@@ -306,7 +331,7 @@ class HeteroDataParallel(nn.Module):
                  max_local_batch: int | Sequence[int | None] | None = None,
                  max_micro_batches: int = 1, micro_batches: int | None = None,
                  recover_backward_oom: bool | None = None, allow_idle: bool = True,
-                 slowdown: float | None = None,
+                 hook_free: bool = True, slowdown: float | None = None,
                  slowdown_profile: tuple[float, float] = DEFAULT_SLOWDOWN_PROFILE,
                  device_name: str | None = None, **ddp_kwargs: Any) -> None:
         super().__init__()
@@ -337,15 +362,15 @@ class HeteroDataParallel(nn.Module):
                                  max_micro_batches=max_micro_batches,
                                  micro_batches=micro_batches, device_name=device_name,
                                  recover_backward_oom=recover_backward_oom,
-                                 allow_idle=allow_idle)
+                                 allow_idle=allow_idle, hook_free=hook_free)
         self._emulation = self._install_slowdown(module, slowdown, slowdown_profile)
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device])
+        self._ddp_kwargs = ddp_kwargs
         self.ddp = DistributedDataParallel(module, **ddp_kwargs)
         self._buffer_source = BufferSource(group=self.ddp.process_group,
                                            bucket_bytes=self.ddp.broadcast_bucket_size)
-        self.ddp._register_buffer_comm_hook(self._buffer_source, broadcast_buffers,
-                                            _BufferCommHookLocation.PRE_FORWARD)
+        self._take_buffers(self.ddp)
         # the parameters whose gradients DDP all-reduces (:meth:`_gradients_clear`)
         self._trained = [p for p in module.parameters() if p.requires_grad]
         self.clock: Clock = clock_for(self.device)
@@ -360,6 +385,18 @@ class HeteroDataParallel(nn.Module):
         self._removed = False  # remove_hooks() was called
         if optimizer is not None and loader is not None:
             self.attach(optimizer, loader)
+
+    def _take_buffers(self, ddp: DistributedDataParallel) -> None:
+        """``ddp`` broadcasts the buffers from :attr:`_buffer_source` before each forward."""
+        ddp._register_buffer_comm_hook(self._buffer_source, broadcast_buffers,
+                                       _BufferCommHookLocation.PRE_FORWARD)
+
+    def _hook_free_twin(self) -> DistributedDataParallel:
+        """:attr:`_Attached.hook_free`: DDP over the same module with the same options
+        (a collective: every rank builds it in :meth:`attach`)."""
+        twin = DistributedDataParallel(self.ddp.module, **self._ddp_kwargs)
+        self._take_buffers(twin)
+        return twin
 
     def attach(self, optimizer: torch.optim.Optimizer, loader: HeteroDataLoader) -> None:
         """Start planning with ``optimizer`` (built from this model's parameters) and
@@ -426,6 +463,8 @@ class HeteroDataParallel(nn.Module):
             exchange_every_step=any_gpu or recovers,
             idle_routes=IdleRoutes(self.rank, self.world_size, self.collective_timeout)
             if routes else None,
+            hook_free=self._hook_free_twin() if options.hook_free and not (any_gpu or recovers)
+            else None,
             hooks=[optimizer.register_step_pre_hook(self._before_optimizer_step),
                    optimizer.register_step_post_hook(self._after_optimizer_step)])
         loader.attach(self, self.rank, self.world_size)
@@ -685,6 +724,8 @@ class HeteroDataParallel(nn.Module):
         self.comm.takes_global = cycle.largest == self.rank
         routes = self.attached.idle_routes
         self.comm.route = None if routes is None else routes.route(split)
+        cycle.hook_free = self._runs_hook_free(split)
+        cycle.reached = False
         if cycle.norms and len(cycle.passes) > 1:
             self.comm.watch_passes(list(self.ddp.module.parameters()), len(cycle.passes))
         else:
@@ -695,6 +736,19 @@ class HeteroDataParallel(nn.Module):
         if cycle.prev_mark is None:
             cycle.prev_mark = cycle.measure_from = self.clock.mark()
             cycle.prev_cpu = time.process_time()
+
+    def _runs_hook_free(self, split: tuple[int, ...]) -> bool:
+        """This step needs nothing of the comm hook, so it runs through the hook-free twin
+        (:attr:`_Attached.hook_free`): nothing is measured or exchanged, and every worker
+        runs one pass of the same batch, where DDP's mean of the ranks' gradients is the
+        weighted mean (each weight 1 / n) whatever the backward. Every rank decides alike:
+        from the split, the planner's cadence and every rank's passes."""
+        cycle = self._cycle
+        if (self.attached.hook_free is None or cycle.planned_measuring or cycle.exchanges
+                or not split[0] or any(b != split[0] for b in split)):
+            return False
+        return all(len(self.planner.passes(rank, batch)) == 1
+                   for rank, batch in enumerate(split))
 
     def _say_idle(self, split: tuple[int, ...]) -> None:
         """Once a run, where this rank is first planned no samples of a full step: what an
@@ -736,9 +790,9 @@ class HeteroDataParallel(nn.Module):
         """DDP's forward, between the runtime's records of it. Under ``torch.compile(model)``
         those run as they are, outside the graph: dynamo compiles the model, and traced
         they recompiled on every change of the step's state until its limit."""
-        self._before_forward()
+        ddp = self._before_forward()
         try:
-            out = self.ddp(*args, **kwargs)
+            out = ddp(*args, **kwargs)
         except torch.cuda.OutOfMemoryError:
             # recovered only on a step whose exchange can tell every rank: any step where
             # a worker is on a GPU (on a CPU-only job only a simulated one can happen)
@@ -750,15 +804,20 @@ class HeteroDataParallel(nn.Module):
         return out
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def _before_forward(self) -> None:
+    def _before_forward(self) -> DistributedDataParallel:
+        """The step's records before the forward; the DDP to run it (the hook-free twin
+        on a step that needs nothing of the hook)."""
         cycle = self._cycle
-        if not cycle.stepping:
-            cycle.interrupted = cycle.forward_between = True
-            if self._parts is None and torch.is_grad_enabled() and not cycle.said_unattached:
-                cycle.said_unattached = True
-                logger.warning("HeteroDataParallel is not attached to an optimizer and a "
-                               "loader: it trains as plain DDP (an even mean of the ranks' "
-                               "gradients) until model.attach(optimizer, loader)")
+        if cycle.stepping:
+            twin = self.attached.hook_free if cycle.hook_free else None
+            return self.ddp if twin is None else twin
+        cycle.interrupted = cycle.forward_between = True
+        if self._parts is None and torch.is_grad_enabled() and not cycle.said_unattached:
+            cycle.said_unattached = True
+            logger.warning("HeteroDataParallel is not attached to an optimizer and a "
+                           "loader: it trains as plain DDP (an even mean of the ranks' "
+                           "gradients) until model.attach(optimizer, loader)")
+        return self.ddp
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _after_forward(self, out: Any) -> None:
@@ -778,6 +837,12 @@ class HeteroDataParallel(nn.Module):
         if tensor is not None:
             for hook in at_start:
                 tensor.register_hook(hook)  # type: ignore[no-untyped-call]
+        if cycle.stepping and cycle.hook_free and torch.is_grad_enabled():
+            watched = False
+            for output in _grad_tensors(out):  # any of them a loss may be made of
+                output.register_hook(self._mark_reached)  # type: ignore[no-untyped-call]
+                watched = True
+            cycle.reached |= not watched  # an output of no type searched: DDP's word alone
         if cycle.stepping and cycle.exchanges and self.comm.rows is None:
             self.comm.rows = self._exchange_rows()  # sent with a gradient bucket
 
@@ -811,7 +876,8 @@ class HeteroDataParallel(nn.Module):
         already; or None, and the loss stays as it is (the hook weighs the buckets): outside
         a step of the loader, on a step of several micro-batches (their passes are weighed
         by size), on a rank with 0 samples (its bucket is zeroed: the mean loss of no
-        samples is NaN) and onto gradients left from before (:meth:`_gradients_clear`).
+        samples is NaN), onto gradients left from before (:meth:`_gradients_clear`), and
+        on a step through the hook-free twin (DDP's own mean is the weighted one there).
 
         A CUDA out-of-memory raised in the block (by the backward) does not leave it, with
         ``recover_backward_oom`` in a step of the loader: this rank launches the gradient
@@ -820,8 +886,8 @@ class HeteroDataParallel(nn.Module):
         rank's cap is lowered and the step's samples come again
         (:meth:`_skip_step_after_oom`)."""
         cycle, weight = self._cycle, self.comm.weight
-        seeded = (cycle.stepping and len(cycle.passes) == 1 and weight > 0.0
-                  and self._gradients_clear(values=False))
+        seeded = (cycle.stepping and not cycle.hook_free and len(cycle.passes) == 1
+                  and weight > 0.0 and self._gradients_clear(values=False))
         self.comm.seeded = seeded
         try:
             yield weight if seeded else None
@@ -868,6 +934,9 @@ class HeteroDataParallel(nn.Module):
                 f"since the last step): its passes' rescaling would weigh them wrongly. Zero "
                 f"the gradients before each step's first backward, and raise batch_size to "
                 f"accumulate over more samples")
+
+    def _mark_reached(self, grad: torch.Tensor) -> None:
+        self._cycle.reached = True
 
     def _mark_backward_start(self, grad: torch.Tensor) -> None:
         cycle = self._cycle
@@ -1034,7 +1103,7 @@ class HeteroDataParallel(nn.Module):
                 f"is all-reduced after the last one only)")
         # torch hands the step's own arguments, the optimizer first
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        if not self.comm.backwards:
+        if not (cycle.reached if cycle.hook_free else self.comm.backwards):
             if closure is None:
                 self._refuse_unreduced_gradients()
             else:  # its passes run after this hook
@@ -1192,7 +1261,7 @@ class HeteroDataParallel(nn.Module):
         """Back to plain DDP semantics until the loader hands out the next step: a backward
         outside the loader's iteration (a step on the script's own tensors) averages the
         ranks' gradients, as DDP does, instead of weighing them by a stale b_i / B."""
-        self._cycle.stepping = False
+        self._cycle.stepping = self._cycle.hook_free = False
         self.ddp.require_backward_grad_sync = True
         self.comm.weight = 1.0 / self.world_size
         self.comm.sqnorm_scale = 1.0
