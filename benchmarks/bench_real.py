@@ -15,15 +15,21 @@ timed on the previous one's caches):
   no probe or trial is in force, up to 600 steps;
 * plain DDP at Cannikin's split (as it stood after the warm-up: one it chose, not a probe's);
 * plain DDP at a sweep of fixed splits, including 0 samples for the slowest worker;
-* Cannikin held (a second HeteroDataParallel, its split pinned with ``pin_split``) at
-  Cannikin's split, at the even split, and at a split 2x away (the fastest worker's batch
-  halved, the others sharing what it gave up): at its own split, the runtime's per-step
-  cost without its planning (re-plans, probes, trials); at the other two, the steps that
-  Cannikin's model must predict away from the split in use.
+* Cannikin held (a second HeteroDataParallel, its split pinned with ``pin_split`` block by
+  block) at Cannikin's split and at a split 2x away (the fastest worker's batch halved,
+  the others sharing what it gave up): at its own split, the runtime's per-step cost
+  without its planning (re-plans, probes, trials); 2x away, a step that Cannikin's model
+  must predict away from the split in use;
+* Cannikin held even: a third one, pinned at the even split from the start, as a job at
+  the even split runs (one pinned to each split in turn, block by block, cost 1-2 ms more
+  CPU per step there than this one); the runtime's cost at the even split, and a step the
+  model must predict.
 
 Cannikin's steps call ``model.backward(loss)``, which puts each rank's weight b_i / B in the
 backward's seed; one more configuration, Cannikin held at its split with a plain
-``loss.backward()``, shows what that saves (the hook then scales every gradient).
+``loss.backward()``, shows what that saves (the hook then scales every gradient). Another,
+Cannikin held even with ``hook_free=False``, shows what the hook-free twin saves at the
+even split (every step then takes the comm hook).
 
 Cannikin's model as fitted by the end predicts every configuration's step; its error is
 reported against the held runs (the model describes Cannikin's steps) and against plain
@@ -46,9 +52,9 @@ a trial's at 0 samples and a pinned split's windows left out).
 Before the blocks every worker times the same compute (forward and backward of B / 3
 samples on a model of its own) at once: the workers' real relative speeds.
 
-Each ratio is printed with its median's 95% bootstrap interval over rounds. The 18
+Each ratio is printed with its median's 95% bootstrap interval over rounds. The 19
 configurations leave room for short blocks only, whose ratios cannot resolve the 3-5%
-overhead targets; ``--no-sweep`` keeps the six that the overhead ratios need (no sweep, no
+overhead targets; ``--no-sweep`` keeps the seven that the overhead ratios need (no sweep, no
 split 2x away), for more rounds of longer blocks (``--no-sweep --rounds 60 --block-steps
 8``). ``bench_prediction.py`` judges the model away from its split and the windows.
 
@@ -82,6 +88,9 @@ WIDTH = 1024
 LR = 0.05
 PLAIN_BACKWARD = "Cannikin held, loss.backward()"
 """Cannikin held at its split with the weight applied by the hook, not the backward's seed."""
+HOOKED_EVEN = "Cannikin held even, hook_free=False"
+"""Cannikin held at the even split with every step through the comm hook (no hook-free
+twin): what the twin saves there."""
 SWEEP = [(TOTAL - mid - slow, mid, slow) for slow in (0, 30, 60) for mid in (90, 120, 150, 180)]
 """Fixed splits (fastest, middle, slowest): the slowest gets 0 to 60 samples."""
 
@@ -107,7 +116,7 @@ def mlp() -> Any:
                          nn.ReLU(), nn.Linear(WIDTH, 10))
 
 
-def cannikin(x_all: Any, y_all: Any) -> tuple[Any, Callable[..., None]]:
+def cannikin(x_all: Any, y_all: Any, hook_free: bool = True) -> tuple[Any, Callable[..., None]]:
     """A fresh Cannikin (split "optimal", the workers' real speeds) on ``x_all, y_all``
     and its training step, epoch after epoch; ``step(seeded=False)`` backs the loss up
     with a plain ``loss.backward()`` instead of ``model.backward(loss)``."""
@@ -120,7 +129,8 @@ def cannikin(x_all: Any, y_all: Any) -> tuple[Any, Callable[..., None]]:
     net = mlp()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     loader = HeteroDataLoader(TensorDataset(x_all, y_all), batch_size=TOTAL, seed=0)
-    model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None)
+    model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None,
+                               hook_free=hook_free)
     batches = (batch for _ in range(100_000) for batch in loader)
 
     def step(seeded: bool = True) -> None:
@@ -212,12 +222,17 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
 
     away = two_x_away(cannikin_split)
     held.pin_split(cannikin_split)
+    resident = {name: cannikin(x_all, y_all, hook_free=name != HOOKED_EVEN)
+                for name in ("Cannikin held even", HOOKED_EVEN)}  # pinned even throughout
+    for wrapped, _ in resident.values():
+        wrapped.pin_split(even)
     for _ in range(3):
-        held_step()
+        for run in (held_step, *(step for _, step in resident.values())):
+            run()
     configs: dict[str, tuple[int, ...] | None] = {"DDP even": even, "Cannikin": None,
                                                  "DDP at Cannikin's split": cannikin_split}
-    pinned = {"Cannikin held at its split": cannikin_split, "Cannikin held even": even,
-              PLAIN_BACKWARD: cannikin_split}
+    pinned = {"Cannikin held at its split": cannikin_split, PLAIN_BACKWARD: cannikin_split}
+    configs.update({name: even for name in resident})
     if sweep:
         configs.update({"DDP " + "/".join(map(str, s)): s for s in SWEEP if s not in
                         (even, cannikin_split)})
@@ -227,17 +242,25 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
     blocks: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
     errors: list[tuple[float, float]] = []  # Cannikin per block: (predicted, measured)
+    def runner(name: str) -> tuple[Any, Callable[[], None]]:
+        """The block's Cannikin (None: plain DDP's) and its step."""
+        split = configs[name]
+        if split is None:
+            return hdp, hdp_step
+        if name in resident:
+            return resident[name]
+        if name in pinned:
+            held.pin_split(split)
+            return held, lambda: held_step(name != PLAIN_BACKWARD)
+        return None, lambda: ddp_step(split)
+
     for round_ in range(rounds):
         for name in names[round_ % len(names):] + names[: round_ % len(names)]:
             split = configs[name]
-            if name in pinned:
-                held.pin_split(split)
-            step = hdp_step if split is None else (
-                lambda seeded=name != PLAIN_BACKWARD: held_step(seeded)) if name in pinned else (
-                lambda split=split: ddp_step(split))
-            if split is None or name in pinned:
+            model, step = runner(name)
+            if model is not None:
                 with torch.no_grad():  # marks the other blocks as a pause between steps:
-                    (hdp if split is None else held)(x_all[:1])  # not measured (runtime.md)
+                    model(x_all[:1])  # not measured (runtime.md)
             # one untimed step of the block's own configuration: the first step after another
             # configuration runs on caches that its model filled (Cannikin's model was cold
             # after every DDP block, while the DDP configurations share one model)
@@ -286,8 +309,8 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
             "tracker_step": tracker.median_step_error(),
             "even_parts": None if model is None else model_parts(model, even),
         }))
-    hdp.remove_hooks()
-    held.remove_hooks()
+    for wrapped in (hdp, held, *(model for model, _ in resident.values())):
+        wrapped.remove_hooks()
     dist.destroy_process_group()
 
 
@@ -356,7 +379,8 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
         return abs(model_s[name] - medians[name]) / medians[name]
 
     if model_s["Cannikin"] is not None:
-        held = [n for n in medians if n.startswith("Cannikin held") and n != PLAIN_BACKWARD]
+        held = [n for n in medians if n.startswith("Cannikin held")
+                and n not in (PLAIN_BACKWARD, HOOKED_EVEN)]
         print("Cannikin's final model against Cannikin held at a split: "
               + ", ".join(f"{n.removeprefix('Cannikin held ')} {100 * error(n):.1f}%"
                           for n in held))
@@ -423,6 +447,7 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
                         ("  the same with loss.backward()", PLAIN_BACKWARD,
                          "DDP at Cannikin's split"),
                         ("Cannikin held even / DDP even", "Cannikin held even", "DDP even"),
+                        ("  the same with hook_free=False", HOOKED_EVEN, "DDP even"),
                         (f"Cannikin / the best {'fixed' if swept else 'DDP'} split",
                          "Cannikin", None)):
         r = _paired_ratio(result["blocks"], a, b)
@@ -473,10 +498,10 @@ def main() -> int:
                              "on until its plan is held and no probe or trial is in force, "
                              "up to 4x as many")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false",
-                        help="leave out the fixed splits' sweep and the split 2x away: 6 "
+                        help="leave out the fixed splits' sweep and the split 2x away: 7 "
                              "configurations, so that enough rounds of long blocks fit for "
                              "the overhead ratios' intervals to resolve the 3-5%% targets "
-                             "(--rounds 60 --block-steps 8: ~4.5 min here)")
+                             "(--rounds 60 --block-steps 8: ~5 min here)")
     add_period_option(parser)
     args = parser.parse_args()
     for name, least in (("rounds", 2), ("block_steps", 1), ("warmup_steps", 1)):

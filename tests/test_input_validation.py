@@ -140,3 +140,26 @@ def test_lr_scaling_defaults_to_what_a_ddp_user_expects() -> None:
     adam = torch.optim.AdamW(net.parameters(), lr=1e-3)
     assert HeteroDataParallel(net, adam, autoscaled(32, (1, None))).scaler.rule == "adamscale"
     assert wrap(lr_scaling="adascale").scaler.rule == "adascale"  # an explicit rule wins
+
+
+def test_parameters_outside_an_lr_scaled_optimizer_are_said(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A second optimizer's parameters keep their LR while the attached one's scales with
+    the total batch: said once at attach, naming them; not at a fixed batch without a rule
+    (nothing is scaled), nor where the attached optimizer holds every parameter."""
+    def attach(params: str, loader: HeteroDataLoader, lr_scaling: str = "auto") -> list[str]:
+        caplog.clear()
+        net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        trained = net[0].parameters() if params == "first" else net.parameters()
+        with caplog.at_level("WARNING", logger="cannikin.runtime.parallel"):
+            HeteroDataParallel(net, torch.optim.SGD(trained, lr=0.1), loader,
+                               lr_scaling=lr_scaling).remove_hooks()
+        return [r.getMessage() for r in caplog.records if "not in the optimizer" in r.message]
+
+    said = attach("first", autoscaled(32, (1, None)))
+    assert len(said) == 1 and "2 trained parameters of the model (1.weight, 1.bias)" in said[0]
+    assert "lr_scaling='adascale'" in said[0]
+    assert len(attach("first", HeteroDataLoader(DATA, batch_size=8), "linear")) == 1
+    assert attach("first", HeteroDataLoader(DATA, batch_size=8)) == []  # "none": no scaling
+    assert attach("all", autoscaled(32, (1, None))) == []
+

@@ -233,6 +233,7 @@ def check_batchnorm() -> dict[str, Any]:
         (net[0].running_mean, ref.running_mean), (net[0].running_var, ref.running_var)))
     moved = float(ref.running_mean.abs().max())
     min_local = model.planner.config.min_local
+    twin = model.attached.twin is not None  # never an even split: no hook-free step
     model.remove_hooks()
     try:
         small = HeteroDataParallel(nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8)),
@@ -244,7 +245,7 @@ def check_batchnorm() -> dict[str, Any]:
     except ValueError as error:
         refused = str(error)
     return {"stats_err": stats_err, "moved": moved, "min_local": min_local,
-            "refused": refused}
+            "refused": refused, "twin": twin}
 
 
 def check_idle_worker() -> dict[str, Any]:
@@ -544,7 +545,8 @@ def check_hook_free() -> dict[str, Any]:
         opt.step()
     model.remove_hooks()
     return {"kinds": kinds, "rel_err": worst, "apart": apart, "refused": refused,
-            "unchanged": unchanged, "scores_free": scores_free, "scores_err": scores_err}
+            "unchanged": unchanged, "scores_free": scores_free, "scores_err": scores_err,
+            "twin": model.attached.twin is not None}
 
 
 def check_compiled() -> dict[str, Any]:
@@ -552,10 +554,12 @@ def check_compiled() -> dict[str, Any]:
     wrapped, or the wrapper compiled (dynamo traces the runtime's forward). A pinned
     uneven split trains as one process does, and the steps are measured (the clock's marks
     are real, not constants of a traced graph). ``aot_eager``: dynamo and autograd's
-    tracing without a C compiler (inductor gave the same gradients, 2.2e-7)."""
+    tracing without a C compiler (inductor gave the same gradients, 2.2e-7). The wrapper
+    compiled again at the even split, whose unmeasured steps run through the hook-free
+    twin: the forward then calls the other DDP."""
     data = _blobs(240)
     out: dict[str, Any] = {}
-    for compiled in ("module", "wrapper"):
+    for compiled in ("module", "wrapper", "wrapper_even"):
         torch._dynamo.reset()
         net = _classifier()
         ref = copy.deepcopy(net)
@@ -566,22 +570,24 @@ def check_compiled() -> dict[str, Any]:
         inner = torch.compile(net, backend="aot_eager") if compiled == "module" else net
         model = HeteroDataParallel(inner, opt, loader, split="optimal", slowdown=None,
                                    metrics=sink)
-        pinned = [5, 20, 35][:dist.get_world_size()]
+        world = dist.get_world_size()
+        pinned = [5, 20, 35][:world]
         pinned[-1] += 60 - sum(pinned)
-        model.pin_split(pinned)
-        run = torch.compile(model, backend="aot_eager") if compiled == "wrapper" else model
-        worst = 0.0
+        model.pin_split([60 // world] * world if compiled == "wrapper_even" else pinned)
+        run = model if compiled == "module" else torch.compile(model, backend="aot_eager")
+        worst, hook_free = 0.0, 0
         for _ in range(3):
             for x, y, idx in loader:
                 opt.zero_grad()
                 F.cross_entropy(run(x), y).backward()
+                hook_free += model._cycle.hook_free
                 worst = max(worst, _gradient_error(net, ref, data, idx, CPU))
                 opt.step()
                 ref_opt.step()
         model.remove_hooks()
         drift = max(float((p - q).abs().max())
                     for p, q in zip(net.parameters(), ref.parameters(), strict=True))
-        out[compiled] = {"rel_err": worst, "drift": drift,
+        out[compiled] = {"rel_err": worst, "drift": drift, "hook_free": hook_free,
                          "timings": _timings(sink.rows),
                          "fitted": [f.num_samples for f in model.planner.fitters]}
     return out

@@ -163,7 +163,7 @@ class _Cycle:
     said_idle: bool = False
     """This rank logged what a step of 0 samples means for the script (once a run)."""
     hook_free: bool = False
-    """This step runs through :attr:`_Attached.hook_free` (every rank alike)."""
+    """This step runs through :attr:`_Attached.twin` (every rank alike)."""
     reached: bool = False
     """A backward of this hook-free step ran through this model's forward output (so
     through the twin's all-reduce), where the hook's count says so on any other step."""
@@ -207,13 +207,17 @@ class _Attached:
     GPU job (its out-of-memory handling sends the exchange with the last bucket) and one
     whose model reduces over a process group of its own."""
     hooks: list[Any]
-    hook_free: DistributedDataParallel | None = None
+    hook_free: bool = False
+    """Steps that need nothing of the comm hook run through :attr:`twin`; False where
+    ``hook_free=False`` or every step exchanges."""
+    twin: DistributedDataParallel | None = None
     """A second DDP over the same module, without a comm hook, for the steps that need
     nothing of the hook (:meth:`HeteroDataParallel._runs_hook_free`): DDP's all-reduce in
     C++. Any Python comm hook costs CPU in the backward (the reducer calls into Python for
     each bucket, and each bucket's future must hold a Python object), which a worker held
-    to a quarter of a core pays four times over in wall time. None: every step takes the
-    hook (``hook_free=False``, or a job whose every step exchanges)."""
+    to a quarter of a core pays four times over in wall time. Made at the first such step
+    (its buckets are one more copy of the gradients), so a job that never runs one has
+    none."""
 
 
 class MetricsSink(Protocol):
@@ -310,10 +314,10 @@ class HeteroDataParallel(nn.Module):
     raises ZeroDivisionError); False keeps every worker at 1 sample or more (a final
     partial batch of fewer samples than workers still leaves some without).
     ``hook_free``: a step that needs nothing of the comm hook (every worker one pass of the
-    same batch, nothing measured or exchanged: most steps at an even split) runs through a
-    second DDP over the same module without the hook, DDP's all-reduce in C++; that costs
-    one more copy of the gradients in memory (its buckets). CPU jobs only: where a worker
-    is on a GPU every step exchanges, and no second DDP is made. False: no second DDP.
+    same batch, nothing measured or exchanged: half the steps at an even split) runs through
+    a second DDP over the same module without the hook, DDP's all-reduce in C++; made at
+    the first such step, it costs one more copy of the gradients in memory (its buckets).
+    CPU jobs only: where a worker is on a GPU every step exchanges. False: never.
     ``slowdown``: heterogeneity
     emulation factor for this rank; None reads ``CANNIKIN_SLOWDOWN`` if it is set.
     ``slowdown_profile``: (fixed_s, per_sample_s) of the emulated reference device's
@@ -392,8 +396,9 @@ class HeteroDataParallel(nn.Module):
                                        _BufferCommHookLocation.PRE_FORWARD)
 
     def _hook_free_twin(self) -> DistributedDataParallel:
-        """:attr:`_Attached.hook_free`: DDP over the same module with the same options
-        (a collective: every rank builds it in :meth:`attach`)."""
+        """:attr:`_Attached.twin`: DDP over the same module with the same options. A
+        collective (it broadcasts rank 0's parameters and buffers, the same on every rank
+        by then): every rank makes it at the same step, the first to run hook-free."""
         twin = DistributedDataParallel(self.ddp.module, **self._ddp_kwargs)
         self._take_buffers(twin)
         return twin
@@ -454,6 +459,8 @@ class HeteroDataParallel(nn.Module):
         if lr_scaling == "auto":
             lr_scaling = ("none" if auto is None else
                           "adamscale" if precondition.adaptive else "adascale")
+        if lr_scaling != "none" and self.rank == 0:
+            self._say_unscaled(optimizer, lr_scaling)
         self._parts = _Attached(
             optimizer=optimizer, loader=loader, planner=planner, precondition=precondition,
             scaler=LRScaler(optimizer, lr_scaling, init_batch=loader.batch_size),
@@ -463,8 +470,7 @@ class HeteroDataParallel(nn.Module):
             exchange_every_step=any_gpu or recovers,
             idle_routes=IdleRoutes(self.rank, self.world_size, self.collective_timeout)
             if routes else None,
-            hook_free=self._hook_free_twin() if options.hook_free and not (any_gpu or recovers)
-            else None,
+            hook_free=options.hook_free and not (any_gpu or recovers),
             hooks=[optimizer.register_step_pre_hook(self._before_optimizer_step),
                    optimizer.register_step_post_hook(self._after_optimizer_step)])
         loader.attach(self, self.rank, self.world_size)
@@ -472,6 +478,23 @@ class HeteroDataParallel(nn.Module):
                     "is per rank: DDP with %d per rank trains like batch_size=%d here)",
                     loader.batch_size, self.world_size, loader.batch_size,
                     loader.batch_size * self.world_size)
+
+    def _say_unscaled(self, optimizer: torch.optim.Optimizer, rule: str) -> None:
+        """Warn where trained parameters are not in ``optimizer``: the LR rule scales its
+        learning rate alone (a second optimizer, for a GAN's generator or an embedding
+        table, steps at its own LR whatever the total batch), a difference in the update
+        that nothing else would show."""
+        attached = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        outside = [name for name, p in self.ddp.module.named_parameters()
+                   if p.requires_grad and id(p) not in attached]
+        if outside:
+            logger.warning(
+                "%d trained parameters of the model (%s) are not in the optimizer given to "
+                "attach(): lr_scaling=%r scales that optimizer's learning rate with the "
+                "step's total batch, and the optimizer of these steps at its own, "
+                "unscaled. Put them in the attached optimizer's param groups, or train at "
+                "a fixed total batch with lr_scaling='none'", len(outside),
+                ", ".join(outside[:3]) + (", ..." if len(outside) > 3 else ""), rule)
 
     @property
     def drives(self) -> bool:
@@ -739,16 +762,20 @@ class HeteroDataParallel(nn.Module):
 
     def _runs_hook_free(self, split: tuple[int, ...]) -> bool:
         """This step needs nothing of the comm hook, so it runs through the hook-free twin
-        (:attr:`_Attached.hook_free`): nothing is measured or exchanged, and every worker
-        runs one pass of the same batch, where DDP's mean of the ranks' gradients is the
-        weighted mean (each weight 1 / n) whatever the backward. Every rank decides alike:
-        from the split, the planner's cadence and every rank's passes."""
-        cycle = self._cycle
-        if (self.attached.hook_free is None or cycle.planned_measuring or cycle.exchanges
-                or not split[0] or any(b != split[0] for b in split)):
+        (:attr:`_Attached.twin`, made here the first time): nothing is measured or
+        exchanged, and every worker runs one pass of the same batch, where DDP's mean of the
+        ranks' gradients is the weighted mean (each weight 1 / n) whatever the backward.
+        Every rank decides alike: from the split, the planner's cadence and every rank's
+        passes."""
+        cycle, parts = self._cycle, self.attached
+        if (not parts.hook_free or cycle.planned_measuring or cycle.exchanges
+                or not split[0] or any(b != split[0] for b in split)
+                or any(len(self.planner.passes(rank, batch)) > 1
+                       for rank, batch in enumerate(split))):
             return False
-        return all(len(self.planner.passes(rank, batch)) == 1
-                   for rank, batch in enumerate(split))
+        if parts.twin is None:
+            parts.twin = self._hook_free_twin()
+        return True
 
     def _say_idle(self, split: tuple[int, ...]) -> None:
         """Once a run, where this rank is first planned no samples of a full step: what an
@@ -809,7 +836,7 @@ class HeteroDataParallel(nn.Module):
         on a step that needs nothing of the hook)."""
         cycle = self._cycle
         if cycle.stepping:
-            twin = self.attached.hook_free if cycle.hook_free else None
+            twin = self.attached.twin if cycle.hook_free else None
             return self.ddp if twin is None else twin
         cycle.interrupted = cycle.forward_between = True
         if self._parts is None and torch.is_grad_enabled() and not cycle.said_unattached:
