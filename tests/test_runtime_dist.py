@@ -265,8 +265,10 @@ def test_unmeasured_even_steps_run_hook_free_and_exactly(figures: dict[str, Any]
     assert free["rel_err"] < 1e-5, free
     assert free["apart"] < 1e-5, free  # the same training as through the hook alone
     assert "never all-reduced" in free["refused"] and free["unchanged"], free
-    # a dataclass output: its tensor watched for the backward, so the step is not refused
+    # a dataclass output: its tensor watched for the backward (a loss made bypassing it is
+    # refused), and one made of it is not
     assert free["scores_free"] >= 1 and free["scores_err"] < 1e-5, free
+    assert "never all-reduced" in free["scores_refused"], free
     assert free["twin"] and not figures["batchnorm"]["twin"]  # made at the first such step
 
 

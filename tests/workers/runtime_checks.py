@@ -465,7 +465,7 @@ def check_pinned_split() -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Scores:
-    """A forward's output of no container type DDP or torch knows but a dataclass."""
+    """A forward's output that is a dataclass, not a tuple, list or dict."""
 
     logits: torch.Tensor
 
@@ -509,27 +509,11 @@ def check_hook_free() -> dict[str, Any]:
                     worst = max(worst, _gradient_error(net, ref, data, idx, CPU))
                 opt.step()
         trained.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
-        if hook_free:  # a step through the twin whose loss bypasses DDP's forward
-            batches = iter(loader)
-            x, y, _ = next(batches)
-            while not model._cycle.hook_free:
-                opt.zero_grad()
-                model.backward(F.cross_entropy(model(x), y))
-                opt.step()
-                x, y, _ = next(batches)
-            before = [p.detach().clone() for p in net.parameters()]
-            opt.zero_grad()
-            F.cross_entropy(model.module(x), y).backward()
-            try:
-                opt.step()
-                refused = "stepped"
-            except RuntimeError as error:
-                refused = str(error)
-            unchanged = all(torch.equal(a, p) for a, p in zip(before, net.parameters(),
-                                                              strict=True))
+        if hook_free:
+            refused, unchanged = _bypass_on_a_hook_free_step(model, opt, lambda out: out)
         model.remove_hooks()
     apart = float((trained[0] - trained[1]).abs().max() / trained[1].abs().max())
-    scores = ScoresNet()  # its hook-free steps find the output's tensor in the dataclass
+    scores = ScoresNet()  # its hook-free steps watch the tensor in the dataclass output
     ref = copy.deepcopy(scores.net)
     opt = torch.optim.SGD(scores.parameters(), lr=0.1)
     loader = HeteroDataLoader(data, batch_size=20 * world, seed=4)
@@ -543,10 +527,35 @@ def check_hook_free() -> dict[str, Any]:
         ref.load_state_dict(scores.net.state_dict())
         scores_err = max(scores_err, _gradient_error(scores.net, ref, data, idx, CPU))
         opt.step()
+    scores_refused, _ = _bypass_on_a_hook_free_step(model, opt, lambda out: out.logits)
     model.remove_hooks()
     return {"kinds": kinds, "rel_err": worst, "apart": apart, "refused": refused,
             "unchanged": unchanged, "scores_free": scores_free, "scores_err": scores_err,
-            "twin": model.attached.twin is not None}
+            "scores_refused": scores_refused, "twin": model.attached.twin is not None}
+
+
+def _bypass_on_a_hook_free_step(model: HeteroDataParallel, opt: torch.optim.Optimizer,
+                                logits: Callable[[Any], torch.Tensor]) -> tuple[str, bool]:
+    """Train to the loader's next hook-free step, and make its loss with
+    ``model.module(x)`` (no DDP forward): the optimizer step's error (or "stepped"), and
+    whether the parameters are unchanged."""
+    batches = iter(model.loader)
+    x, y, _ = next(batches)
+    while not model._cycle.hook_free:
+        opt.zero_grad()
+        model.backward(F.cross_entropy(logits(model(x)), y))
+        opt.step()
+        x, y, _ = next(batches)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    F.cross_entropy(logits(model.module(x)), y).backward()
+    try:
+        opt.step()
+        refused = "stepped"
+    except RuntimeError as error:
+        refused = str(error)
+    return refused, all(torch.equal(a, p) for a, p in zip(before, model.parameters(),
+                                                          strict=True))
 
 
 def check_compiled() -> dict[str, Any]:

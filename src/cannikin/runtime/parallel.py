@@ -491,9 +491,9 @@ class HeteroDataParallel(nn.Module):
             logger.warning(
                 "%d trained parameters of the model (%s) are not in the optimizer given to "
                 "attach(): lr_scaling=%r scales that optimizer's learning rate with the "
-                "step's total batch, and the optimizer of these steps at its own, "
-                "unscaled. Put them in the attached optimizer's param groups, or train at "
-                "a fixed total batch with lr_scaling='none'", len(outside),
+                "step's total batch, while the optimizer that steps these keeps its own "
+                "rate, unscaled. Put them in the attached optimizer's param groups, or train "
+                "at a fixed total batch with lr_scaling='none'", len(outside),
                 ", ".join(outside[:3]) + (", ..." if len(outside) > 3 else ""), rule)
 
     @property
