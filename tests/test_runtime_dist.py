@@ -432,6 +432,9 @@ def test_a_gan_loop_is_said_unplannable_and_planned_as_the_warning_says(
     # the plain module where the step's own loss is made: refused before the update, which
     # would have stepped each rank on its own gradient
     assert "gradients were never all-reduced" in found["module_step_refused"]
+    # a layer the forward skips, without find_unused_parameters: refused naming the option
+    # (plain DDP steps on local gradients first, and says so at the next forward)
+    assert "find_unused_parameters=True" in found["unused_step_refused"]
 
 
 def test_loops_that_cannot_be_measured_are_said_once(figures: dict[str, Any]) -> None:

@@ -1682,20 +1682,25 @@ def check_gan() -> dict[str, Any]:
         naive = _gan(recipe=False, steps=12)
     recipe = _gan(recipe=True, steps=4)
     return {"naive": naive, "naive_warnings": [w for w in warnings if "none of the last" in w],
-            "recipe": recipe, "module_step_refused": _module_step_refused()}
+            "recipe": recipe, "module_step_refused": _module_step_refused(),
+            "unused_step_refused": _module_step_refused(unused=True)}
 
 
-def _module_step_refused() -> str:
+def _module_step_refused(unused: bool = False) -> str:
     """A step's loss made by the plain module (what the GAN recipe does for the generator's
-    step), then the optimizer step: the error every rank raises (empty: none)."""
-    net = _classifier()
+    step), then the optimizer step: the error every rank raises (empty: none). With
+    ``unused``, the loss made by the wrapper, of a model with a layer its forward skips,
+    without ``find_unused_parameters``: DDP never launches the last bucket."""
+    torch.manual_seed(0)
+    net = Unused() if unused else _classifier()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    loader = HeteroDataLoader(_blobs(60), batch_size=30, seed=3)
+    data = torch.utils.data.TensorDataset(torch.randn(60, IN), torch.randint(0, OUT, (60,)))
+    loader = HeteroDataLoader(data if unused else _blobs(60), batch_size=30, seed=3)
     model = HeteroDataParallel(net, opt, loader, split="even", slowdown=None)
     refused = ""
-    for x, y, _ in loader:
+    for x, y, *_ in loader:
         opt.zero_grad()
-        model.backward(F.cross_entropy(model.module(x), y))
+        model.backward(F.cross_entropy((model if unused else model.module)(x), y))
         try:
             opt.step()
         except RuntimeError as error:

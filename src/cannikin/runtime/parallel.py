@@ -1190,18 +1190,29 @@ class HeteroDataParallel(nn.Module):
             self._replan("cadence")
 
     def _refuse_unreduced_gradients(self) -> None:
-        """No backward of this step reached DDP's all-reduce, yet there are gradients: a loss
-        made by ``model.module(x)`` (no DDP forward, so no all-reduce), or by another model.
-        Each rank would step on its own gradient and the replicas drift apart, silently.
-        Raised before the update; every rank running the same script raises alike."""
-        if not self._gradients_clear(values=False):
-            raise RuntimeError(
-                f"rank {self.rank}: the optimizer step's gradients were never all-reduced: no "
-                f"backward of this step went through this model's forward (a loss made by "
-                f"model.module(x) runs no DDP forward), so each rank would update with its own "
-                f"gradient and the replicas would drift apart. Make the step's loss with "
-                f"model(x); model.module(x) is for a forward whose gradients the step drops "
-                f"(a GAN generator's step through its discriminator)")
+        """No backward of this step reached DDP's last all-reduce, yet there are gradients: a
+        loss made by ``model.module(x)`` (no DDP forward, so no all-reduce), or by another
+        model; or a trained parameter that got no gradient, so that DDP never launched the
+        last bucket (a layer the forward skipped, without ``find_unused_parameters``; plain
+        DDP says so at the next forward, after an update on local gradients). Each rank
+        would step on its own gradient and the replicas drift apart, silently. Raised
+        before the update; every rank running the same script raises alike."""
+        if self._gradients_clear(values=False):
+            return
+        skipped = ("some trained parameter got no gradient in this step's backward, so DDP "
+                   "never launched its last gradient bucket (a layer the forward skipped: "
+                   "pass find_unused_parameters=True to HeteroDataParallel, as with DDP)")
+        if self.comm.reductions:  # some buckets went, the last never did
+            cause = f"a backward went through this model's forward, but {skipped}"
+        else:
+            cause = (f"no backward of this step went through this model's forward (a loss "
+                     f"made by model.module(x) runs no DDP forward: make it with model(x); "
+                     f"model.module(x) is for a forward whose gradients the step drops, a "
+                     f"GAN generator's step through its discriminator), or {skipped}")
+        raise RuntimeError(
+            f"rank {self.rank}: the optimizer step's gradients were never all-reduced: "
+            f"{cause}. Each rank would update with its own gradient and the replicas would "
+            f"drift apart")
 
     def _count_lost(self, causes: set[str], measured: bool) -> None:
         """:meth:`LostSteps.count` this step, unless the hooks were removed (not planning)."""
