@@ -196,6 +196,21 @@ def test_an_empty_local_batch_keeps_its_mapping_type_and_no_sample(num_workers: 
     assert empty["x"].shape == (0, 3) and empty["id"].shape == (0,)
 
 
+def as_samples(samples: list[dict[str, Any]]) -> Sample:
+    return default_collate([Sample(s["x"], s["id"], s["name"]) for s in samples])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_empty_local_batch_keeps_its_named_tuple(num_workers: int) -> None:
+    """A collate that gives a named tuple: the idle worker's empty batch is one too (it
+    raised, the named tuple built from one iterable)."""
+    fetcher = make_fetcher(Records(), as_samples, num_workers=num_workers, pin_memory=False)
+    empty = fetcher.fetch(np.array([], dtype=np.int64))
+    fetcher.close()
+    assert type(empty) is Sample
+    assert empty.x.shape == (0, 3) and empty.label.shape == (0,)
+
+
 def test_chunks_join_into_what_one_collate_gives() -> None:
     samples = [Sample(torch.randn(2, 3), i, f"n{i}") for i in range(7)]
     whole = default_collate(samples)

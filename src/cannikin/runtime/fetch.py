@@ -14,10 +14,9 @@ concatenated (the same batch as collating all samples at once); a custom ``colla
 
 from __future__ import annotations
 
-import copy
 import os
 import random
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch
 import torch.multiprocessing as torch_mp
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from cannikin.runtime.batches import map_batched
 from cannikin.runtime.sampler import IndexArray
 
 Batch = Any
@@ -33,21 +33,10 @@ Collate = Callable[[list[Any]], Batch]
 
 
 def _empty_like(sample: Any) -> Any:
-    """A zero-length batch with the structure of ``sample`` (for a worker given b_i = 0).
-    A mapping keeps its type (a tokenizer's BatchEncoding, a UserDict, was given back
-    whole: the worker trained on the one sample it was made from)."""
-    if isinstance(sample, torch.Tensor):
-        return sample[:0]
-    if isinstance(sample, tuple | list):
-        return type(sample)(_empty_like(s) for s in sample)
-    if isinstance(sample, MutableMapping):
-        empty = copy.copy(sample)
-        for key, value in sample.items():
-            empty[key] = _empty_like(value)
-        return empty
-    if isinstance(sample, Mapping):
-        return {k: _empty_like(v) for k, v in sample.items()}
-    return sample
+    """A zero-length batch with the structure of ``sample`` (for a worker given b_i = 0),
+    its containers' types kept: a tokenizer's BatchEncoding was once given back whole, and
+    the worker trained on the one sample it was made from; a named tuple raised."""
+    return map_batched(sample, lambda t: t[:0])
 
 
 def _samples(dataset: Dataset[Any], indices: Sequence[int]) -> list[Any]:

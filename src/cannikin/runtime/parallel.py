@@ -23,12 +23,11 @@ measured step time is the period of the synchronous loop.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, NoReturn, Protocol
@@ -44,6 +43,7 @@ from torch.nn.parallel.distributed import _BufferCommHookLocation
 from cannikin.losscheck import MIN_SAMPLES
 from cannikin.optperf import Plan
 from cannikin.perf import ClusterModel, PredictionTracker
+from cannikin.runtime.batches import map_batched
 from cannikin.runtime.buffers import BufferSource, broadcast_buffers
 from cannikin.runtime.comm import (
     CommState,
@@ -261,27 +261,6 @@ def _least_per_pass(module: nn.Module) -> int:
     refuses = any(isinstance(m, nn.modules.batchnorm._BatchNorm)
                   and not isinstance(m, nn.SyncBatchNorm) for m in module.modules())
     return 2 if refuses else 1
-
-
-def _map_batched(value: Any, fn: Any) -> Any:
-    """``fn`` applied to every tensor with a batch dimension in a nested value; 0-dim
-    tensors (a loss, a scalar argument) and anything else pass through. Containers keep
-    their type: a named tuple stays one, and a mapping (a Hugging Face ``ModelOutput``,
-    whose fields are its keys and attributes) is copied and its entries replaced."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.dim() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map_batched(v, fn) for v in value))
-    if isinstance(value, tuple | list):
-        return type(value)(_map_batched(v, fn) for v in value)
-    if isinstance(value, MutableMapping):
-        mapped = copy.copy(value)
-        for key, item in value.items():
-            mapped[key] = _map_batched(item, fn)
-        return mapped
-    if isinstance(value, Mapping):
-        return {key: _map_batched(item, fn) for key, item in value.items()}
-    return value
 
 
 class HeteroDataParallel(nn.Module):
@@ -1009,9 +988,9 @@ class HeteroDataParallel(nn.Module):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.ddp.require_forward_param_sync = False  # DDP's own forward sets it again
-        out = self.ddp(*_map_batched(args, lambda t: t[:2]),
-                       **_map_batched(kwargs, lambda t: t[:2]))
-        return _map_batched(out, lambda t: t[:1].expand(batch, *t.shape[1:]))
+        out = self.ddp(*map_batched(args, lambda t: t[:2]),
+                       **map_batched(kwargs, lambda t: t[:2]))
+        return map_batched(out, lambda t: t[:1].expand(batch, *t.shape[1:]))
 
     def _mark_oom(self) -> None:
         """This rank ran out of memory in this step: its row of the exchange says so (made
