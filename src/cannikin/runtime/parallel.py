@@ -207,9 +207,6 @@ class _Attached:
     GPU job (its out-of-memory handling sends the exchange with the last bucket) and one
     whose model reduces over a process group of its own."""
     hooks: list[Any]
-    hook_free: bool = False
-    """Steps that need nothing of the comm hook run through :attr:`twin`; False where
-    ``hook_free=False`` or every step exchanges."""
     twin: DistributedDataParallel | None = None
     """A second DDP over the same module, without a comm hook, for the steps that need
     nothing of the hook (:meth:`HeteroDataParallel._runs_hook_free`): DDP's all-reduce in
@@ -449,7 +446,6 @@ class HeteroDataParallel(nn.Module):
             exchange_every_step=any_gpu or recovers,
             idle_routes=IdleRoutes(self.rank, self.world_size, self.collective_timeout)
             if routes else None,
-            hook_free=options.hook_free and not (any_gpu or recovers),
             hooks=[optimizer.register_step_pre_hook(self._before_optimizer_step),
                    optimizer.register_step_post_hook(self._after_optimizer_step)])
         loader.attach(self, self.rank, self.world_size)
@@ -747,7 +743,8 @@ class HeteroDataParallel(nn.Module):
         Every rank decides alike: from the split, the planner's cadence and every rank's
         passes."""
         cycle, parts = self._cycle, self.attached
-        if (not parts.hook_free or cycle.planned_measuring or cycle.exchanges
+        if (not self._options.hook_free or parts.exchange_every_step
+                or cycle.planned_measuring or cycle.exchanges
                 or not split[0] or any(b != split[0] for b in split)
                 or any(len(self.planner.passes(rank, batch)) > 1
                        for rank, batch in enumerate(split))):
