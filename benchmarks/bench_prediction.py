@@ -16,7 +16,10 @@ fresh model for ``--steps`` steps, then pins three splits in turn.
   machine's speed moves between windows, which no model of the split can foresee; the
   standard error of each window's own mean, which no prediction of that mean can beat;
   and the windows after a move of the split apart from those at the split before, with
-  whether the move the model predicted faster ran faster.
+  whether the move the model predicted faster ran faster. Last, Cannikin's own account of
+  the same run (``Planner.chosen_tracker``, what its metrics report): every step by rank
+  0's clock too, the steps a re-plan delays among them, with the re-plan's time added to
+  their prediction.
 * **The model away from its split.** The model as fitted at the end of the free run
   predicts its own split, the even split and a split 2x away (``bench_real``'s), and the
   three are then pinned in rotated blocks of ``--block-steps`` steps (one untimed step
@@ -83,6 +86,7 @@ def _worker(out: Path, runs: int, steps: int, rounds: int, block_steps: int) -> 
             step()
             ends.append(time.perf_counter())
             held.append(hdp.planner.held)
+        tracked = hdp.planner.chosen_tracker.signed_window_errors()
         history = [[r.step, r.reason, list(r.local_batches), r.predicted_step_s, r.exploring]
                    for r in hdp.plan_history]
         model = hdp.cluster_model
@@ -110,7 +114,7 @@ def _worker(out: Path, runs: int, steps: int, rounds: int, block_steps: int) -> 
                 pinned[name]["blocks"].append((time.perf_counter() - start) / block_steps)
         hdp.remove_hooks()
         return {"ends": ends, "held": held, "history": history, "pinned": pinned,
-                "cpu_levels": cpu_levels}
+                "tracked": tracked, "cpu_levels": cpu_levels}
 
     results = [run() for _ in range(runs)]
     if dist.get_rank() == 0:
@@ -177,6 +181,7 @@ def _report(results: list[dict[str, Any]], steps: int, block_steps: int,
           f"MLP 64-1024-1024-10, B = {TOTAL}; "
           f"{len(results)} runs of {steps} free steps, then pinned blocks of {block_steps}")
     settled_all: list[dict[str, Any]] = []
+    tracked_all: list[float] = []
     away_all: dict[str, list[tuple[float, float]]] = {}
     for index, run in enumerate(results):
         found = windows(run)
@@ -199,6 +204,8 @@ def _report(results: list[dict[str, Any]], steps: int, block_steps: int,
                 print(f"  window error at {label}: median |error| "
                       f"{100 * statistics.median(map(abs, errors)):.1f}%, signed median "
                       f"{100 * statistics.median(errors):+.1f}%")
+        print(f"  {_tracked_line(run['tracked'])}")
+        tracked_all += run["tracked"]
         for name, pair in away_errors(run["pinned"]).items():
             away_all.setdefault(name, []).append(pair)
             p = run["pinned"][name]
@@ -241,9 +248,20 @@ def _report(results: list[dict[str, Any]], steps: int, block_steps: int,
                     line += (f"; measured step against the window before: median "
                              f"{100 * statistics.median(w['change'] for w in group):+.1f}%")
                 print(line)
+    if tracked_all:
+        print(f"  {_tracked_line(tracked_all)}")
     for name, pairs in away_all.items():
         print(f"  the model at {name:9s}: error " + ", ".join(f"{100 * a:+.1f}%" for a, _ in pairs)
               + "; relative " + ", ".join(f"{100 * r:+.1f}%" for _, r in pairs))
+
+
+def _tracked_line(errors: list[float]) -> str:
+    """Cannikin's own account of its windows at the splits it chose."""
+    if not errors:
+        return "Cannikin's own tracker: no window at a chosen split"
+    return (f"Cannikin's own tracker, chosen splits: median |error| "
+            f"{_median_abs(errors):.1f}% over {len(errors)} windows, signed median "
+            f"{100 * statistics.median(errors):+.1f}%")
 
 
 def _median_abs(errors: Iterable[float]) -> float:

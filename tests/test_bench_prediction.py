@@ -88,7 +88,7 @@ def test_the_report_prints_the_windows_and_the_model_away_from_its_split(
                                     "parts": None},
                       "even": {"split": [1, 1, 1], "predicted": 0.11, "blocks": [0.1],
                                "parts": parts}},
-           "cpu_levels": [[[0.0, 0.01], [1.0, 0.02]], [], []]}
+           "cpu_levels": [[[0.0, 0.01], [1.0, 0.02]], [], []], "tracked": [-0.1, 0.05, 0.03]}
     load_benchmark("bench_prediction")._report([run], steps=60, block_steps=8, period_ms=10)
     out = capsys.readouterr().out
     assert "CPU quotas 1, 0.5, 0.25 (10 ms period)" in out
@@ -100,3 +100,5 @@ def test_the_report_prints_the_windows_and_the_model_away_from_its_split(
     assert "error +10.0%, relative to its split +10.0%" in out
     assert "path 40.0, 45.0, 50.0; CPU floor 20.0, 30.0, 55.0" in out
     assert "rank 0 0: 10.0, 1: 20.0" in out
+    assert ("Cannikin's own tracker, chosen splits: median |error| 5.0% over 3 windows, "
+            "signed median +3.0%") in out

@@ -397,6 +397,7 @@ def test_prediction_tracker() -> None:
     tracker.end_window()
     assert tracker.step_errors() == pytest.approx([0.5, 0.5, 0.2])
     assert tracker.window_errors() == pytest.approx([0.0, 0.2])
+    assert tracker.signed_window_errors() == pytest.approx([0.0, -0.2])
     assert tracker.median_step_error() == pytest.approx(0.5)
     assert tracker.median_window_error() == pytest.approx(0.1)
 
@@ -427,25 +428,37 @@ def test_fit_predicts_later_steps() -> None:
     assert tracker.median_step_error() < 0.08
 
 
-@pytest.mark.parametrize(("means", "sds"), [
-    ([0.1, 0.1, 0.1], [0.025, 0.025, 0.025]),  # balanced, 25% noise: +0.85 sd
-    ([0.10, 0.09, 0.12, 0.05], [0.03, 0.001, 0.002, 0.02]),  # one sure-slowest, mixed sds
-    ([0.2, 0.1], [0.0, 0.05]),  # a deterministic worker as the floor
-    ([1.0, 1.0], [1e-3, 1.0]),  # sds 1000x apart
-    (np.linspace(0.09, 0.1, 64).tolist(), np.full(64, 0.02).tolist()),  # many contenders
+@pytest.mark.parametrize(("medians", "scales", "sigmas"), [
+    ([0.1, 0.1, 0.1], [0.1, 0.1, 0.1], [0.25, 0.25, 0.25]),  # balanced, 25% noise
+    ([0.10, 0.09, 0.12, 0.05], [0.1, 0.09, 0.1, 0.05], [0.3, 0.01, 0.02, 0.4]),  # mixed
+    ([0.2, 0.1], [0.0, 0.1], [0.0, 0.5]),  # a deterministic worker as the floor
+    ([1.0, 1.0], [1.0, 1.0], [1e-3, 1.0]),  # sigmas 1000x apart
+    ([0.04, 0.036], [0.01, 0.03], [0.85, 0.15]),  # a small part with a long tail
+    (np.linspace(0.09, 0.1, 64).tolist(), [0.1] * 64, [0.2] * 64),  # many contenders
+    (np.linspace(0.09, 0.1, 1024).tolist(), [0.1] * 1024, [0.2] * 1024),  # thinned grid
 ])
-def test_expected_max_matches_a_monte_carlo(means: list[float], sds: list[float]) -> None:
+def test_expected_max_matches_a_monte_carlo(medians: list[float], scales: list[float],
+                                            sigmas: list[float]) -> None:
     rng = np.random.default_rng(0)
-    draws = rng.normal(means, sds, size=(400_000, len(means))).max(axis=1)
+    draws = rng.standard_normal((400_000 if len(medians) < 100 else 20_000, len(medians)))
+    draws = (np.array(medians) + np.array(scales) * np.expm1(np.array(sigmas) * draws)).max(axis=1)
     se = float(draws.std()) / math.sqrt(draws.size)
-    got = expected_max(means, sds)
+    got = expected_max(medians, scales, sigmas)
     assert abs(got - float(draws.mean())) < 4 * se + 1e-12, (got, float(draws.mean()), se)
 
 
 def test_expected_max_of_noise_free_workers_is_the_max() -> None:
-    assert expected_max([0.1, 0.3, 0.2], [0.0, 0.0, 0.0]) == 0.3
+    assert expected_max([0.1, 0.3, 0.2], [0.1, 0.3, 0.2], [0.0, 0.0, 0.0]) == 0.3
+    assert expected_max([0.1, 0.3], [0.0, 0.0], [0.5, 0.5]) == 0.3  # no noisy part
     # a noisy worker far below a deterministic one cannot be the max
-    assert expected_max([0.3, 0.1], [0.0, 0.01]) == pytest.approx(0.3, rel=1e-12)
+    assert expected_max([0.3, 0.1], [0.3, 0.1], [0.0, 0.01]) == pytest.approx(0.3, rel=1e-12)
+
+
+def test_a_log_normal_time_s_mean_is_above_its_median() -> None:
+    """One noisy time: its mean, ``median + scale (exp(sigma^2 / 2) - 1)``, in closed form."""
+    for sigma in (0.05, 0.3, 0.85):
+        assert expected_max([0.05], [0.04], [sigma]) == pytest.approx(
+            0.05 + 0.04 * math.expm1(sigma**2 / 2), rel=1e-4)
 
 
 def test_expected_step_time_matches_a_monte_carlo_of_noisy_compute() -> None:
@@ -464,7 +477,7 @@ def test_expected_step_time_matches_a_monte_carlo_of_noisy_compute() -> None:
         left = arr.comm_left[j]
         compute = lines[np.arange(3), j] - left
         noise = np.array([n.noise for n in nodes])
-        draws = (left + compute * (1 + noise * rng.standard_normal((400_000, 3)))).max(axis=1)
+        draws = (left + compute * np.exp(noise * rng.standard_normal((400_000, 3)))).max(axis=1)
         se = float(draws.std()) / math.sqrt(draws.size)
         got = cluster.expected_step_time(split)
         assert abs(got - float(draws.mean())) < 4 * se, (split, got, float(draws.mean()))
@@ -474,10 +487,10 @@ def test_expected_step_time_matches_a_monte_carlo_of_noisy_compute() -> None:
 
 
 def test_a_spread_measured_at_one_batch_holds_at_every_batch() -> None:
-    """``noise_batch``: the worker's standard deviation is ``noise`` times its compute at
-    that batch, wherever it runs (the worker at 0 samples measured 60% of a small time is
-    not 60% noisy at 40). Reference: a Monte Carlo with those standard deviations, the
-    compute at each batch from the lines directly."""
+    """``noise_batch``: the worker's disturbances are log-normal of ``noise`` on its
+    compute at that batch, wherever it runs (the worker at 0 samples measured 60% of a
+    small time is not 60% noisy at 40). Reference: a Monte Carlo of those disturbances,
+    the compute at each batch from the lines directly."""
     rng = np.random.default_rng(4)
     comm = CommModel(buckets=[(0.3, 0.05), (1.0, 0.01)])
     spec = ((1.0, 0.25, None), (2.0, 0.1, 12.0), (3.0, 0.6, 0.0))
@@ -495,8 +508,8 @@ def test_a_spread_measured_at_one_batch_holds_at_every_batch() -> None:
     path, _ = compute([float(b) for b in split])
     _, at = compute([float(b) if a is None else a for b, (_, _, a) in zip(split, spec,
                                                                           strict=True)])
-    sds = np.array([noise for _, noise, _ in spec]) * at
-    draws = (path + sds * rng.standard_normal((400_000, 3))).max(axis=1)
+    noise_of = np.array([noise for _, noise, _ in spec])
+    draws = (path + at * np.expm1(noise_of * rng.standard_normal((400_000, 3)))).max(axis=1)
     se = float(draws.std()) / math.sqrt(draws.size)
     got = cluster.expected_step_time(split)
     assert abs(got - float(draws.mean())) < 4 * se, (got, float(draws.mean()))
@@ -531,8 +544,8 @@ def test_expected_step_time_with_cpu_floors_matches_a_monte_carlo() -> None:
         nodes = [dataclasses.replace(nd, cpu_floor=f, cpu_noise=c)
                  for nd, f, c in zip(plain, floors, cpu_noise, strict=True)]
         cluster = ClusterModel(nodes=nodes, comm=comm)
-        draws_path = path + compute * 0.25 * rng.standard_normal((400_000, 3))
-        draws_floor = floor * (1 + np.array(cpu_noise) * rng.standard_normal((400_000, 3)))
+        draws_path = path + compute * np.expm1(0.25 * rng.standard_normal((400_000, 3)))
+        draws_floor = floor * np.exp(np.array(cpu_noise) * rng.standard_normal((400_000, 3)))
         draws = np.maximum(draws_path, draws_floor).max(axis=1)
         se = float(draws.std()) / math.sqrt(draws.size)
         got = cluster.expected_step_time(split)
@@ -615,7 +628,7 @@ def test_a_worker_at_0_samples_takes_its_idle_times() -> None:
     rng = np.random.default_rng(5)
     split = [4, 3, 0]
     path, compute = reference(split)
-    draws = (path + compute * 0.25 * rng.standard_normal((400_000, 3))).max(axis=1)
+    draws = (path + compute * np.expm1(0.25 * rng.standard_normal((400_000, 3)))).max(axis=1)
     se = float(draws.std()) / math.sqrt(draws.size)
     assert abs(cluster.expected_step_time(split) - float(draws.mean())) < 4 * se
     with pytest.raises(ValueError, match=r"idle_times=\(-0.1, 0.0\) must have fwd >= 0"):
@@ -914,9 +927,9 @@ def test_a_few_early_steps_reading_high_do_not_lift_the_cpu_floor() -> None:
 
 
 def test_the_cpu_floors_noise_is_the_spread_of_the_cpu_around_each_level() -> None:
-    """Reference: numpy's median of the pooled absolute relative deviations, and the
-    lognormal noise the steps were drawn with (sd 0.1, 0.2): one stalled step in ten does
-    not move it much."""
+    """Reference: numpy's median of the pooled absolute deviations of the log ratio, and
+    the lognormal noise the steps were drawn with (sigma 0.1, 0.2): one stalled step in
+    ten does not move it much."""
     for sigma in (0.1, 0.2):
         rng = np.random.default_rng(6)
         fitter = CpuFitter()
@@ -929,7 +942,7 @@ def test_the_cpu_floors_noise_is_the_spread_of_the_cpu_around_each_level() -> No
             cpu *= 3.0 if step % 10 == 9 else 1.0  # a stalled step
             fitter.add(batch, cpu)
             levels[batch].append(cpu)
-        deviations = np.concatenate([np.abs(np.array(v) / np.median(v) - 1)
+        deviations = np.concatenate([np.abs(np.log(np.array(v) / np.median(v)))
                                      for v in levels.values()])
         assert fitter.noise() == pytest.approx(1.4826 * float(np.median(deviations)), rel=1e-9)
         assert fitter.noise() == pytest.approx(sigma, rel=0.3)

@@ -18,6 +18,7 @@ from cannikin.optperf import optimal_split, share_split
 from cannikin.perf import ClusterModel, CommModel, NodeModel
 from cannikin.runtime.decision import Decision
 from cannikin.runtime.planner import (
+    GAP_RATIO,
     MAX_BUCKETS,
     REPORT_SIZE,
     Planner,
@@ -76,8 +77,9 @@ def run(planner: Planner, cluster: ClusterModel, steps: int, seed: int = 0,
         true_times.append(cluster.step_time(list(split)))
         rows = [WorkerReport(batch=b, previous=p) for b, p in zip(split, previous, strict=True)]
         planner.observe(step, rows, previous_global)
-        previous = list(timings(cluster, split, rng, sqnorm_noise, noise=noise,
-                                plan_s=plan_s if replanned else 0.0))
+        stall = plan_s if replanned else 0.0
+        previous = list(timings(cluster, split, rng, sqnorm_noise, noise=noise, plan_s=stall))
+        planner.time_step(split, previous[0].step_s + stall, stall)  # rank 0's clock
         previous_global = 1.0 + sqnorm_noise / sum(split)
         if not planner.measures(step):  # the runtime sends nothing of an unmeasured step
             previous, previous_global = [None] * cluster.size, None
@@ -175,6 +177,26 @@ def test_a_re_plans_stall_is_predicted_with_the_step_it_delays() -> None:
     run(planner, cluster, 100, plan_s=step_s)  # one step in five is twice as long
     windows = planner.tracker.window_errors()[2:]  # past the warm-up's
     assert max(windows) < 0.08, windows  # 0.12-0.16 with the stall left out
+
+
+def test_the_trackers_time_every_step_but_not_the_time_between_steps() -> None:
+    """Every step with a model counts, where a held plan measures every 4th; a period over
+    GAP_RATIO times the prediction (an evaluation between two steps) does not; a re-plan's
+    stall is predicted with the step it delays."""
+    cluster = truth((4.0, 2.0, 1.0))
+    planner = Planner(PlannerConfig(world_size=3, init_batch=96, max_replan_every=40))
+    run(planner, cluster, 200)
+    assert planner.held
+    first = next(r.step for r in planner.history if r.nodes is not None)
+    assert len(planner.tracker.step_errors()) == 199 - first
+    split = planner.local_batches
+    predicted = planner.predicted(split)
+    assert predicted is not None
+    planner.time_step(split, 1.25 * predicted)
+    planner.time_step(split, (GAP_RATIO + 0.1) * predicted)  # left out
+    planner.time_step(split, predicted, stall_s=0.5 * predicted)
+    assert planner.tracker.step_errors()[-2:] == pytest.approx([0.2, 0.5])
+    assert len(planner.tracker.step_errors()) == 201 - first
 
 
 def test_a_held_plan_measures_every_fourth_step_and_a_new_plan_every_step() -> None:

@@ -160,12 +160,14 @@ class NodeModel:
     pass, ``max_batch`` is then the memory cap too). ``fixed_passes``: every step runs in
     exactly this many passes of :func:`even_passes` (a loop that counts batches), only the
     last one's backward overlapping the all-reduce; ``max_batch`` bounds their sum (None:
-    one pass, or ``micro_batch``'s rule). ``noise`` is the relative standard
-    deviation of its compute time from step to step (0: deterministic): a step waits for
-    the slowest worker *of that step*, so noise raises the expected step time above the
-    max of the means (:meth:`ClusterModel.expected_step_time`). ``noise_batch``: the
-    local batch it was measured at, where its standard deviation (``noise`` times the
-    compute there) holds at every batch (None: ``noise`` is relative at every batch). On
+    one pass, or ``micro_batch``'s rule). ``noise`` is the spread of its compute time
+    from step to step, the standard deviation of the time's log (0: deterministic); the
+    lines are the medians, and the time about them log-normal (:func:`expected_max`): a
+    step waits for the slowest worker *of that step*, so noise raises the expected step
+    time above the max of the medians (:meth:`ClusterModel.expected_step_time`).
+    ``noise_batch``: the local batch it was measured at, where the size of its
+    disturbances (the log-normal part's scale, the compute there) holds at every batch
+    (None: ``noise`` is relative at every batch). On
     quota workers the disturbances are of a fixed size (a throttled CFS period, a
     preemption), not a share of the work: the quarter-core worker's relative noise was
     0.3-0.85 at 0 samples (a millisecond of compute among throttle waits), 0.2-0.4 at
@@ -187,11 +189,12 @@ class NodeModel:
     below where the line through the busy batch sizes starts: on the quarter-core worker of
     ``bench_real`` under plain DDP (one run), a median of 9.1 ms of CPU per step at 0
     samples, 12.8 at 30 and 20.6 at 160, whose line starts at 11.0 (8 ms of wall time at a
-    quarter of a core). ``cpu_noise``: the relative standard deviation of the floor from
-    step to step (0: exact). A worker on its floor is as noisy as its CPU per step: a
-    quarter-core worker at 0 samples (``bench_real``'s model and quotas, Cannikin alone for
-    400-600 steps), 10-11% (MAD) in three runs, where an exact floor predicted Cannikin's
-    own balanced split 5-15% fast (docs/runtime.md, "The balanced step").
+    quarter of a core). ``cpu_noise``: the spread of the floor from step to step, as
+    ``noise`` (the standard deviation of its log; 0: exact). A worker on its floor is as
+    noisy as its CPU per step: a quarter-core worker at 0 samples (``bench_real``'s model
+    and quotas, Cannikin alone for 400-600 steps), 10-11% (MAD) in three runs, where an
+    exact floor predicted Cannikin's own balanced split 5-15% fast (docs/runtime.md, "The
+    balanced step").
     """
 
     fwd: tuple[float, float]
@@ -465,13 +468,13 @@ class ClusterModel:
         The step ends with the slowest worker of that step, so at a balanced split the
         mean step time is the expected maximum of the workers' times, not the max of their
         means (12-26% more, measured on real 3-worker clusters). Worker i's time is the
-        larger of its compute path and its CPU floor (:meth:`node_times`), each taken as
-        normal and independent: the path with standard deviation ``noise_i`` times its
-        compute part (the communication left after its binding bucket is not its own
-        noise), the floor with ``cpu_noise_i`` times the floor. So the step is the expected
-        maximum over every worker's path and floor; a worker far above its floor is as
-        noisy as its compute, one far below it as its CPU. Equals :meth:`step_time` when
-        nothing is noisy. A split with a worker at 0 is :attr:`with_idle`'s.
+        larger of its compute path and its CPU floor (:meth:`node_times`), each the median of
+        a log-normal time (:func:`expected_max`), independent: the path's compute part
+        with log spread ``noise_i`` (the communication left after its binding bucket is not
+        its own noise), the floor with ``cpu_noise_i``. So the step is the expected maximum
+        over every worker's path and floor; a worker far above its floor is as noisy as its
+        compute, one far below it as its CPU. Equals :meth:`step_time` when nothing is
+        noisy. A split with a worker at 0 is :attr:`with_idle`'s.
         """
         if self.idle_comm is not None and np.any(self._checked(local_batches) == 0):
             return self.with_idle.expected_step_time(local_batches)
@@ -485,14 +488,13 @@ class ClusterModel:
             measured_at = np.where(np.isnan(arr.noise_batch), batches, arr.noise_batch)
             compute = arr.compute_paths(measured_at)[1]
         if arr.floor_rows is None:
-            floors, floor_sds = np.empty(0), np.empty(0)
+            floors, floor_sigmas = np.empty(0), np.empty(0)
         else:  # the last column is the floors': a time of its own, with a noise of its own
             on = arr.floor_rows[row]
             assert floor_noise is not None
-            floors = arr.floors(batches, row, x)[on]
-            floor_sds = floor_noise[on] * floors
-        return expected_max(np.concatenate([path, floors]),
-                            np.concatenate([arr.noise * compute, floor_sds]))
+            floors, floor_sigmas = arr.floors(batches, row, x)[on], floor_noise[on]
+        return expected_max(np.concatenate([path, floors]), np.concatenate([compute, floors]),
+                            np.concatenate([arr.noise, floor_sigmas]))
 
 
 @dataclass(frozen=True, eq=False)
@@ -712,13 +714,16 @@ _FLOOR_SLOPE = 1e-6
 planners invert every line, and a floor fitted flat (the same CPU at every batch) must stay
 invertible without a slope so steep that summing the supply's slopes loses its digits."""
 
-# Normal tails beyond this many standard deviations are left out of the expected maximum
-# (probability < 1e-15 each).
+# The expected maximum integrates over the contenders' log-normal quantiles at this many
+# standard normal deviates either side of their medians (probability < 1e-15 beyond),
+# spaced evenly in the deviate (_QUANTILES of them each), and at most _GRID_POINTS of all
+# of them, evenly by rank (many contenders' quantiles crowd where the density is), by
+# Simpson's rule between them. The error against a 400 000-draw Monte Carlo is within its
+# own, and against a single time's mean in closed form under 1e-4 (tests/test_perf.py).
 _TAIL_SIGMAS = 8.0
-# The expected maximum is integrated on at least 4 points per smallest standard deviation
-# in play, between these bounds on the number of points (Simpson's rule; the error against
-# a 10^6-draw Monte Carlo is below its own 0.05% in tests/test_perf.py).
-_MIN_POINTS, _MAX_POINTS = 64, 4096
+_QUANTILES = 129
+_GRID_POINTS = 129
+_DEVIATES = np.linspace(-_TAIL_SIGMAS, _TAIL_SIGMAS, _QUANTILES)
 
 
 def _normal_cdf(z: FloatArray) -> FloatArray:
@@ -734,32 +739,47 @@ def _normal_cdf(z: FloatArray) -> FloatArray:
     return result
 
 
-def expected_max(means: npt.ArrayLike, sds: npt.ArrayLike) -> float:
-    """``E[max_i X_i]`` for independent normal ``X_i ~ N(means_i, sds_i^2)`` (sd 0: constant).
+def expected_max(medians: npt.ArrayLike, scales: npt.ArrayLike, sigmas: npt.ArrayLike) -> float:
+    """``E[max_i X_i]`` for independent ``X_i = medians_i + scales_i (exp(sigmas_i Z_i) - 1)``,
+    ``Z_i`` standard normal: a time whose noisy part (``scales_i`` at its median) is
+    log-normal, as a time measured in log ratios is, and the simulator draws it
+    (:mod:`cannikin.sim.truth`). A time with scale or sigma 0 is constant.
 
-    ``E[max] = lo + integral_lo^hi (1 - prod_i Phi((t - mu_i) / sd_i)) dt`` with ``lo`` the
-    point below which the product is 0 (some worker is surely later) and ``hi`` the one
-    above which it is 1; only workers whose upper tail reaches past ``lo`` take part, so a
-    large cluster with a few contenders costs little.
+    Right-skewed, so its mean lies above its median (``scales_i (exp(sigma^2/2) - 1)``) and
+    its upper tail is longer than a normal's of the same sigma: where every time is a
+    median (the robust fits' lines and the CPU levels' medians), a normal noise predicted
+    the mean step of real quota workers 2-3% short.
+
+    ``E[max] = lo + integral_lo^hi (1 - prod_i P(X_i <= t)) dt`` with ``lo`` the point
+    below which the product is 0 (some time is surely later) and ``hi`` the one above which
+    it is 1, by the trapezoid rule on every contender's quantiles (only times whose upper
+    tail reaches past ``lo`` take part, so a large cluster with a few contenders costs
+    little).
     """
-    mu = np.asarray(means, dtype=np.float64)
-    sd = np.asarray(sds, dtype=np.float64)
-    noisy = sd > 0
+    mid = np.asarray(medians, dtype=np.float64)
+    scale = np.asarray(scales, dtype=np.float64)
+    sigma = np.asarray(sigmas, dtype=np.float64)
+    noisy = (scale > 0) & (sigma > 0)
     if not np.any(noisy):
-        return float(np.max(mu))
-    lo = float(np.max(np.where(noisy, mu - _TAIL_SIGMAS * sd, mu)))
-    hi = float(np.max(mu + _TAIL_SIGMAS * sd))
-    contenders = noisy & (mu + _TAIL_SIGMAS * sd > lo)
-    if hi <= lo or not np.any(contenders):
+        return float(np.max(mid))
+    base = mid - scale  # X_i = base_i + scale_i exp(sigma_i Z_i)
+    lo = float(np.max(np.where(noisy, base + scale * np.exp(-_TAIL_SIGMAS * sigma), mid)))
+    contenders = noisy & (base + scale * np.exp(_TAIL_SIGMAS * sigma) > lo)
+    if not np.any(contenders):
         return lo
-    mu, sd = mu[contenders], sd[contenders]
-    points = int(np.clip(math.ceil(4 * (hi - lo) / float(np.min(sd))), _MIN_POINTS, _MAX_POINTS))
-    points += points % 2 == 0  # Simpson needs an odd count
-    t = np.linspace(lo, hi, points)
-    below = np.prod(_normal_cdf((t[:, None] - mu[None, :]) / sd[None, :]), axis=1)
-    weights = np.ones(points)
-    weights[1:-1:2], weights[2:-1:2] = 4.0, 2.0
-    return lo + float(np.dot(weights, 1.0 - below)) * (hi - lo) / (3 * (points - 1))
+    base, scale, sigma = base[contenders], scale[contenders], sigma[contenders]
+    grid = (base[:, None] + scale[:, None] * np.exp(sigma[:, None] * _DEVIATES[None, :])).ravel()
+    t = np.unique(np.append(grid[grid > lo], lo))
+    if t.size > _GRID_POINTS:
+        t = t[np.linspace(0, t.size - 1, _GRID_POINTS).round().astype(np.intp)]
+    # Simpson's rule on each interval, through its midpoint
+    nodes = np.empty(2 * t.size - 1)
+    nodes[0::2], nodes[1::2] = t, (t[1:] + t[:-1]) / 2.0
+    with np.errstate(divide="ignore"):  # at or below a base: probability 0
+        ratio = np.maximum(nodes[:, None] - base[None, :], 0.0) / scale[None, :]
+        z = np.log(ratio) / sigma[None, :]
+    above = 1.0 - np.prod(_normal_cdf(z), axis=1)
+    return lo + float(np.dot(above[0:-2:2] + 4.0 * above[1::2] + above[2::2], np.diff(t)) / 6.0)
 
 
 @dataclass
@@ -1280,12 +1300,13 @@ class CpuFitter:
         return self._floor_levels().get(0.0)
 
     def noise(self) -> float:
-        """The relative standard deviation of the CPU per step around its batch size's
-        median, pooled over the batch sizes (1.4826 times the median absolute relative
-        deviation: robust to the odd stalled step); 0.0 before a size is measured
-        ``min_samples`` times. The floor's noise (:attr:`NodeModel.cpu_noise`)."""
-        deviations = [abs(cpu / centre - 1.0) for level in self._levels().values()
-                      if (centre := statistics.median(level)) > 0 for cpu in level]
+        """The spread of the CPU per step around its batch size's median, pooled over the
+        batch sizes: 1.4826 times the median absolute deviation of the log ratio (robust
+        to the odd stalled step; the standard deviation of a log-normal time's log); 0.0
+        before a size is measured ``min_samples`` times. The floor's noise
+        (:attr:`NodeModel.cpu_noise`)."""
+        deviations = [abs(math.log(cpu / centre)) for level in self._levels().values()
+                      if (centre := statistics.median(level)) > 0 for cpu in level if cpu > 0]
         return 1.4826 * statistics.median(deviations) if deviations else 0.0
 
 
@@ -1396,12 +1417,17 @@ class PredictionTracker:
     def end_window(self) -> None:
         """Close the current window (call at each re-plan); an empty window is ignored."""
         if self._count:
-            self._windows.append(abs(self._pred_sum - self._meas_sum) / self._meas_sum)
+            self._windows.append((self._pred_sum - self._meas_sum) / self._meas_sum)
         self._pred_sum = self._meas_sum = 0.0
         self._count = 0
 
     def window_errors(self) -> list[float]:
         """Relative error of the mean prediction, per completed window."""
+        return [abs(error) for error in self._windows]
+
+    def signed_window_errors(self) -> list[float]:
+        """``(mean pred - mean meas) / mean meas`` per completed window: below 0 where the
+        model predicted the steps faster than they ran (a bias, where most are)."""
         return list(self._windows)
 
     def step_errors(self) -> list[float]:
@@ -1410,7 +1436,7 @@ class PredictionTracker:
 
     def median_window_error(self) -> float:
         """Median of :meth:`window_errors`; NaN when there is none."""
-        return float(np.median(self._windows)) if self._windows else math.nan
+        return float(np.median(self.window_errors())) if self._windows else math.nan
 
     def median_step_error(self) -> float:
         """Median of :meth:`step_errors`; NaN when there is none."""

@@ -1136,6 +1136,7 @@ class HeteroDataParallel(nn.Module):
                                    f"the workers ran {list(planned)}: the ranks' plans diverged")
         else:  # nothing to report: no worker measured the step before
             reports = [WorkerReport(batch=b, oom=False, previous=None) for b in cycle.split]
+        stall_s = cycle.plan_s  # this rank's re-plan before the step, in its period
         cycle.prev_mark = cycle.measure_from = end
         cycle.prev_cpu, cycle.plan_s = cpu, 0.0
         cycle.scaled = False
@@ -1145,6 +1146,7 @@ class HeteroDataParallel(nn.Module):
             return
         predicted = self.planner.predicted(cycle.split)
         self.planner.observe(cycle.step, reports, _summed_global_sqnorm(reports))
+        self.planner.time_step(cycle.split, step_s, stall_s)
         self._follow_preconditioner()
         cycle.previous = report
         noise = self.planner.noise

@@ -73,6 +73,11 @@ _BEFORE_CPU = _BEFORE_PLAN - 2
 _BEFORE_PASSES = _BEFORE_CPU - 1 - MAX_PASSES
 """The length of a report saved before the passes' norms."""
 REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
+GAP_RATIO = 3.0
+"""A step whose period on the clock is over this many times its prediction held more than
+the step: the script's own time between two steps (an evaluation, a checkpoint, another
+model's steps, as in ``bench_real``'s interleaved blocks). The prediction trackers leave it
+out; a slow step is 1.3-1.6x (the 95th-99th percentile on quota workers)."""
 _STATE_VERSION = 1
 
 
@@ -626,8 +631,9 @@ class Planner:
     idle_comm_fitter: CommFitter = field(init=False)
     """The all-reduce of the steps with a worker at 0 (:attr:`PlannerConfig.idle_route`)."""
     tracker: PredictionTracker = field(init=False)
-    """How well the model predicts each measured step once there is a model (none predicts
-    the warm-up's even split)."""
+    """How well the model predicts each step once there is a model (none predicts the
+    warm-up's even split), by this rank's clock (:meth:`time_step`): the one state of a
+    planner that differs from rank to rank, a record, never read by a plan."""
     loss_check: SummedLossCheck = field(default_factory=SummedLossCheck, init=False)
     """Whether the workers' loss looks summed over their local batch (logged once)."""
     chosen_tracker: PredictionTracker = field(init=False)
@@ -639,11 +645,8 @@ class Planner:
     current: PlanRecord = field(init=False)
     history: list[PlanRecord] = field(default_factory=list, init=False)
     cached: dict[str, NodeModel] = field(default_factory=dict, init=False)
-    _pending: float | None = field(default=None, init=False)  # prediction for the last step
-    _pending_chosen: bool = field(default=False, init=False)  # for chosen_tracker too
     _interval: int = field(default=0, init=False)  # steps from one re-plan to the next
     _next_replan: int = field(default=0, init=False)
-    _window_ends: bool = field(default=False, init=False)
     _drift_ratios: list[list[float]] = field(default_factory=list, init=False)
     _drift_history: list[list[float]] = field(default_factory=list, init=False)
     _drifted: int | None = field(default=None, init=False)  # a worker off its model
@@ -821,7 +824,7 @@ class Planner:
         self.pinned = True
         self._trial, self._before_probe, self._drifted = None, None, None
         self._interval = self.config.max_replan_every  # measured at the held cadence
-        self._window_ends = True
+        self._end_windows()
 
     # -- feeding it ----------------------------------------------------------------------------
     def observe(self, step: int, reports: Sequence[WorkerReport],
@@ -845,14 +848,29 @@ class Planner:
             self._check_loss(done)
             if step - 1 >= self.config.skip_steps:
                 self._observe_timing(done)
-        if self._window_ends:  # the last step of the previous plan is in: close its window
-            self.tracker.end_window()
-            self.chosen_tracker.end_window()
-            self._window_ends = False
-        self._pending = self.predicted([r.batch for r in reports])
+
+    def time_step(self, local_batches: Sequence[int], period_s: float,
+                  stall_s: float = 0.0) -> None:
+        """Count a finished step in :attr:`tracker` (and :attr:`chosen_tracker` at a split
+        chosen for speed): the model's step at ``local_batches``, plus ``stall_s`` of a
+        re-plan that began it, against ``period_s``, its period on this rank's clock. Call
+        it for every step before the re-plan that may follow it. Every step: the measured
+        ones alone, every :attr:`PlannerConfig.measure_stride`-th once a plan holds, made
+        each window's mean half as sure (10 steps of a 40-step window). A period over
+        :data:`GAP_RATIO` times the prediction is left out."""
+        predicted = self.predicted(local_batches)
+        if predicted is None or period_s > GAP_RATIO * (predicted + stall_s):
+            return
+        if not self.tracker.record(predicted + stall_s, period_s):
+            return
         current = self.current
-        self._pending_chosen = (current.nodes is not None and current.reason != "pinned"
-                                and not current.exploring)
+        if current.nodes is not None and current.reason != "pinned" and not current.exploring:
+            self.chosen_tracker.record(predicted + stall_s, period_s)
+
+    def _end_windows(self) -> None:
+        """The plan in force ends: close its window in the trackers."""
+        self.tracker.end_window()
+        self.chosen_tracker.end_window()
 
     def _check_loss(self, reports: Sequence[StepReport]) -> None:
         """Fold a step's per-sample output gradients into :attr:`loss_check`; say once
@@ -895,7 +913,7 @@ class Planner:
 
     def _observe_timing(self, timings: Sequence[StepReport]) -> None:
         # a re-plan delays the step it begins on every rank by the slowest rank's re-plan
-        # (the others wait for it in the all-reduce): the step as it was, and as predicted
+        # (the others wait for it in the all-reduce)
         stall = max(t.plan_s for t in timings)
         if stall > 0:
             self._plan_stalls.append(stall)
@@ -912,10 +930,6 @@ class Planner:
         self._check_drift(timings)
         if math.isfinite(measured):
             self._measured.append((tuple(t.batch for t in timings), measured))
-            if self._pending is not None:
-                self.tracker.record(self._pending + stall, measured)
-                if self._pending_chosen:
-                    self.chosen_tracker.record(self._pending + stall, measured)
 
     def _check_noise(self) -> None:
         """Flag a re-plan once the cautious noise scale, on which the total batch is chosen,
@@ -988,7 +1002,7 @@ class Planner:
         hands the :class:`Decision` to all (the runtime's broadcast), so the slowest rank
         waits for the fastest's choice instead of making its own; without it this rank
         chooses for itself. Either way every rank adopts the same decision."""
-        self._window_ends = True  # once this step's timing arrives
+        self._end_windows()  # this step was its plan's last (time_step came first)
         if self.pinned:  # only an out-of-memory re-plans a pinned split: it no longer fits
             logger.warning("step %d: the pinned split %s is released (%s)", step,
                            list(self.current.local_batches), reason)
