@@ -48,7 +48,9 @@ step time); ratios are to the best configuration. Cannikin's prediction error is
 step time for the split in force against the block's wall time per step), median over
 blocks; its own tracker's window and step medians follow (they include the warm-up), and
 the window median over the splits it chose for speed alone (the optimal split's; a probe's,
-a trial's at 0 samples and a pinned split's windows left out).
+a trial's at 0 samples and a pinned split's windows left out). Past the warm-up those
+windows span Cannikin's blocks between the other configurations', not a training job's
+steps: ``bench_prediction.py`` runs Cannikin alone and judges the windows.
 Before the blocks every worker times the same compute (forward and backward of B / 3
 samples on a model of its own) at once: the workers' real relative speeds.
 
@@ -432,7 +434,8 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
     print(f"Cannikin's own tracker (warm-up included): window median "
           f"{100 * result['tracker_window']:.1f}%, step median {100 * result['tracker_step']:.1f}%;"
           f" at the splits it chose (probes, trials at 0 left out): window median "
-          f"{100 * result['tracker_chosen']:.1f}% over {result['chosen_windows']} windows")
+          f"{100 * result['tracker_chosen']:.1f}% over {result['chosen_windows']} windows "
+          f"(past the warm-up, windows of blocks between the other configurations')")
     stall = result["plan_stall_s"]
     print("a re-plan holds up the step after it by (the slowest rank's re-plan, median of the "
           "last few): " + ("none measured" if stall is None else f"{1e3 * stall:.1f} ms"))

@@ -752,7 +752,7 @@ def expected_max(medians: npt.ArrayLike, scales: npt.ArrayLike, sigmas: npt.Arra
 
     ``E[max] = lo + integral_lo^hi (1 - prod_i P(X_i <= t)) dt`` with ``lo`` the point
     below which the product is 0 (some time is surely later) and ``hi`` the one above which
-    it is 1, by the trapezoid rule on every contender's quantiles (only times whose upper
+    it is 1, by Simpson's rule between the contenders' quantiles (only times whose upper
     tail reaches past ``lo`` take part, so a large cluster with a few contenders costs
     little).
     """

@@ -854,10 +854,10 @@ class Planner:
         """Count a finished step in :attr:`tracker` (and :attr:`chosen_tracker` at a split
         chosen for speed): the model's step at ``local_batches``, plus ``stall_s`` of a
         re-plan that began it, against ``period_s``, its period on this rank's clock. Call
-        it for every step before the re-plan that may follow it. Every step: the measured
-        ones alone, every :attr:`PlannerConfig.measure_stride`-th once a plan holds, made
-        each window's mean half as sure (10 steps of a 40-step window). A period over
-        :data:`GAP_RATIO` times the prediction is left out."""
+        it for every step before the re-plan that may follow it. Every step counts: with
+        the measured ones alone (every :attr:`PlannerConfig.measure_stride`-th once a plan
+        holds) a window's mean was half as sure (10 steps of a 40-step window). A period
+        over :data:`GAP_RATIO` times the prediction is left out."""
         predicted = self.predicted(local_batches)
         if predicted is None or period_s > GAP_RATIO * (predicted + stall_s):
             return
