@@ -651,26 +651,31 @@ def check_cuda_train_hetero() -> dict[str, Any]:
 
 
 def check_eval_between_steps() -> dict[str, Any]:
-    """An evaluation (forward outside a step, then a 0.3 s pause) after step 5: the next
-    step is not measured, so the pause never reaches the planner as forward time."""
+    """An evaluation (forward outside a step, then a 0.3 s pause) after step 5, and one
+    without the pause after step 7: the step after each is neither measured, so the pause
+    never reaches the planner as forward time, nor timed by the prediction trackers."""
     data = _blobs(600)
     net = _classifier()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     loader = HeteroDataLoader(data, batch_size=48, seed=4)
     sink = Recorder()
     model = HeteroDataParallel(net, opt, loader, split="even", metrics=sink)
+    timed = []  # the prediction tracker's steps after each step
     for step, (x, y, _) in enumerate(loader):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-        if step == 5:
+        timed.append(len(model.prediction_tracker.step_errors()))
+        if step in (5, 7):
             with torch.no_grad():
                 model(x)
-            time.sleep(0.3)
+            time.sleep(0.3 if step == 5 else 0.0)
         if step == 9:
             break
     fitted = [n.fwd for n in model.cluster_model.nodes] if model.cluster_model else []
     return {"measured": [r["measured"] for r in sink.rows],
+            "predicted": [r["predicted_step_time_s"] is not None for r in sink.rows],
+            "timed": [now - before for before, now in zip([0, *timed], timed, strict=False)],
             "fwd_s": [r["fwd_s"] for r in sink.rows],
             "step_time_s": [r["step_time_s"] for r in sink.rows], "fitted_fwd": fitted}
 

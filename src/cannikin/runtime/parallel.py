@@ -148,6 +148,9 @@ class _Cycle:
     """This step's gradient norms are taken (for the noise scale)."""
     interrupted: bool = False
     """A forward ran between steps (an evaluation), or a step never reached the optimizer."""
+    whole: bool = True
+    """This step's cycle holds the step alone (not :attr:`interrupted` before it): the
+    prediction trackers time it (:meth:`Planner.time_step`)."""
     forward_between: bool = False
     """A forward of this model ran since the last step ended."""
     unmeasured_by: set[str] = field(default_factory=set)
@@ -707,7 +710,7 @@ class HeteroDataParallel(nn.Module):
         cycle.exchanges = cycle.planned_measuring or self.attached.exchange_every_step
         cycle.planned_measuring = self.planner.measures(cycle.step)
         cycle.measuring = cycle.planned_measuring and not interrupted
-        cycle.interrupted = False
+        cycle.whole, cycle.interrupted = not interrupted, False
         # the passes before the last accumulate; the last one's gradient holds the sum of
         # every pass's mean gradient weighted by its size over the last's (begin_pass), so
         # its bucket is scaled by last / B, and its |g|^2 by (last / b_i)^2
@@ -1146,7 +1149,8 @@ class HeteroDataParallel(nn.Module):
             return
         predicted = self.planner.predicted(cycle.split)
         self.planner.observe(cycle.step, reports, _summed_global_sqnorm(reports))
-        self.planner.time_step(cycle.split, step_s, stall_s)
+        if cycle.whole:
+            self.planner.time_step(cycle.split, step_s, stall_s)
         self._follow_preconditioner()
         cycle.previous = report
         noise = self.planner.noise
