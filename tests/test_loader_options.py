@@ -177,6 +177,43 @@ def test_worker_init_fn_runs_in_each_loading_process_with_its_number() -> None:
     assert Marked.number == -1  # in those processes, not this one
 
 
+class Informed(Dataset[dict[str, Any]]):
+    """Each sample with what ``get_worker_info()`` says where it was loaded (-1: None)."""
+
+    def __len__(self) -> int:
+        return 60
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            return {"id": i, "worker": -1, "workers": -1, "base": -1, "same": False}
+        return {"id": i, "worker": info.id, "workers": info.num_workers,
+                "base": info.seed - info.id, "same": type(info.dataset) is Informed}
+
+
+def _seed_numpy(number: int) -> None:
+    """The PyTorch documentation's recipe: each process seeds numpy from its worker info."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None and info.id == number
+    np.random.seed(info.seed % 2**32)  # noqa: NPY002
+
+
+def test_get_worker_info_describes_each_loading_process_as_dataloader_does() -> None:
+    """Reference: torch's DataLoader with the same dataset and num_workers, whose worker
+    seeds are a base seed plus the worker's number."""
+    reference = torch.utils.data.DataLoader(Informed(), batch_size=10, num_workers=2)
+    loader = HeteroDataLoader(Informed(), batch_size=30, num_workers=2,
+                              worker_init_fn=_seed_numpy)
+    for rows in (list(reference), list(loader)):
+        workers = {int(w) for batch in rows for w in batch["worker"]}
+        assert workers and workers <= {0, 1}
+        assert {int(n) for batch in rows for n in batch["workers"]} == {2}
+        assert len({int(b) for batch in rows for b in batch["base"]}) == 1
+        assert all(bool(same) for batch in rows for same in batch["same"])
+    loader.close()
+    assert torch.utils.data.get_worker_info() is None  # in those processes, not this one
+
+
 class Encoding(UserDict[str, Any]):
     """A mapping that is not a dict, as a tokenizer's BatchEncoding."""
 

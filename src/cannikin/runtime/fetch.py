@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as torch_mp
 from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data._utils import worker as torch_worker
 
 from cannikin.runtime.batches import map_batched
 from cannikin.runtime.sampler import IndexArray
@@ -107,12 +108,16 @@ _WORKER_STATE: dict[str, Any] = {}
 
 
 def _init_worker(dataset: Dataset[Any], collate_fn: Collate | None, base_seed: int,
-                 started: Any, worker_init_fn: Callable[[int], None] | None) -> None:
+                 started: Any, num_workers: int,
+                 worker_init_fn: Callable[[int], None] | None) -> None:
     """Keep the dataset and collate function, and seed this process's random number
     generators as DataLoader seeds a worker's (``base_seed`` plus its number, counted in
     ``started``), then call ``worker_init_fn`` with the number, as DataLoader does: forked
     with the loader's states, every process drew the same values, and a transform in
-    ``__getitem__`` augmented the samples of each chunk as the others'."""
+    ``__getitem__`` augmented the samples of each chunk as the others'. Within it, and in
+    the dataset's code, ``torch.utils.data.get_worker_info()`` describes this process as
+    DataLoader's does (its number, ``num_workers``, its seed, the dataset); it was None, so
+    code that seeds or shards by it took its single-process path in every process."""
     torch.set_num_threads(1)
     with started.get_lock():
         number = started.value
@@ -122,6 +127,9 @@ def _init_worker(dataset: Dataset[Any], collate_fn: Collate | None, base_seed: i
     torch.manual_seed(seed)
     # the global RNG is the one a transform's np.random calls draw from
     np.random.seed(np.random.SeedSequence([number, base_seed]).generate_state(4))  # noqa: NPY002
+    # what DataLoader's worker loop sets, and get_worker_info() returns
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=number, num_workers=num_workers, seed=seed, dataset=dataset)
     _WORKER_STATE.update(dataset=dataset, collate_fn=collate_fn)
     if worker_init_fn is not None:
         worker_init_fn(number)
@@ -153,7 +161,7 @@ class ProcessFetcher(LocalFetcher):
         self._pool = ProcessPoolExecutor(
             max_workers=num_workers, mp_context=context, initializer=_init_worker,
             initargs=(dataset, default_collate if self._collate_in_worker else None,
-                      base_seed, context.Value("i", 0), worker_init_fn))
+                      base_seed, context.Value("i", 0), num_workers, worker_init_fn))
         self._ahead: tuple[IndexArray, list[Future[Batch]]] | None = None
         self._closed = False
 

@@ -141,7 +141,7 @@ class HeteroDataLoader:
     ``num_workers`` processes load the samples, the next step's while this one trains
     (:mod:`cannikin.runtime.fetch`; a TensorDataset is always indexed in this process);
     ``pin_memory`` and ``worker_init_fn`` (called with the process's number in each, after
-    it is seeded as a DataLoader worker is) as DataLoader's.
+    it is seeded as a DataLoader worker is, ``get_worker_info()`` set) as DataLoader's.
     ``rank`` and ``world_size`` each default to the default process group's (or 0 and 1
     without one); HeteroDataParallel sets them when it attaches.
     """
