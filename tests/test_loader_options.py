@@ -5,6 +5,7 @@ this process on the same steps."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import UserDict, namedtuple
 from typing import Any
@@ -212,6 +213,21 @@ def test_get_worker_info_describes_each_loading_process_as_dataloader_does() -> 
         assert all(bool(same) for batch in rows for same in batch["same"])
     loader.close()
     assert torch.utils.data.get_worker_info() is None  # in those processes, not this one
+
+
+def test_a_tensor_dataset_says_its_worker_init_fn_is_not_called(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A TensorDataset is indexed in this process: the processes DataLoader would start,
+    and their worker_init_fn, never run, which the loader says rather than skip silently."""
+    data = TensorDataset(torch.arange(12.0))
+    with caplog.at_level(logging.WARNING, logger="cannikin.runtime.fetch"):
+        make_fetcher(data, default_collate, num_workers=2, pin_memory=False,
+                     worker_init_fn=_mark).close()
+        make_fetcher(data, default_collate, num_workers=2, pin_memory=False).close()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["worker_init_fn is not called: a TensorDataset is indexed in this "
+                    "process, with no loading processes (num_workers=2 is not used)"]
+    assert Marked.number == -1
 
 
 class Encoding(UserDict[str, Any]):

@@ -14,6 +14,7 @@ concatenated (the same batch as collating all samples at once); a custom ``colla
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ from torch.utils.data._utils import worker as torch_worker
 
 from cannikin.runtime.batches import map_batched
 from cannikin.runtime.sampler import IndexArray
+
+logger = logging.getLogger(__name__)
 
 Batch = Any
 Collate = Callable[[list[Any]], Batch]
@@ -214,6 +217,10 @@ def make_fetcher(dataset: Dataset[Any], collate_fn: Collate, *, num_workers: int
                          f"(4 per CPU at most), got {num_workers!r}")
     if pin_memory and not torch.cuda.is_available():
         pin_memory = False  # as DataLoader: nothing to pin for without a GPU
+    if num_workers and isinstance(dataset, TensorDataset) and worker_init_fn is not None:
+        logger.warning("worker_init_fn is not called: a TensorDataset is indexed in this "
+                       "process, with no loading processes (num_workers=%d is not used)",
+                       num_workers)
     if num_workers == 0 or isinstance(dataset, TensorDataset):
         return LocalFetcher(dataset, collate_fn, pin_memory)
     return ProcessFetcher(dataset, collate_fn, pin_memory, num_workers, worker_init_fn)
