@@ -25,7 +25,8 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "attach_later", "model_output", "step_timeout", "accumulate", "pinned_split",
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
           "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss",
-          "gan", "unplannable_loops", "compiled", "batchnorm", "idle_worker", "hook_free"]
+          "gan", "unplannable_loops", "compiled", "batchnorm", "idle_worker", "hook_free",
+          "empty_forward"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -259,6 +260,16 @@ def test_an_idle_worker_says_so_once_and_its_loss_weighs_nothing(
     # mean loss over 8 steps
     assert idle["logged_err"] < 1e-6
     assert idle["allow_zero"] is False  # HeteroDataParallel(allow_idle=False) reached it
+
+
+def test_a_forward_that_fails_on_an_empty_batch_names_allow_idle(
+        figures: dict[str, Any]) -> None:
+    got = figures["empty_forward"]  # rank 0's: the idle rank
+    assert got["error"] is not None and got["error"].startswith(
+        "rank 0: the model's forward failed on this rank's empty local batch (0 samples of "
+        "the split [0, 30, 30]: ValueError: expected a batch of at least one sample)")
+    assert "allow_idle=False" in got["error"]
+    assert got["cause"] == "ValueError('expected a batch of at least one sample')"
 
 
 def test_unmeasured_even_steps_run_hook_free_and_exactly(figures: dict[str, Any]) -> None:

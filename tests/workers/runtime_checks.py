@@ -287,6 +287,41 @@ def check_idle_worker() -> dict[str, Any]:
             "loss_nan": math.isnan(float(loss))}
 
 
+class _NeedsSamples(nn.Module):
+    """A classifier whose forward refuses an empty batch, as some models' code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _classifier()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not len(x):
+            raise ValueError("expected a batch of at least one sample")
+        out: torch.Tensor = self.net(x)
+        return out
+
+
+def check_empty_forward() -> dict[str, Any]:
+    """Rank 0 pinned at 0 samples, with a model that refuses an empty batch: its forward
+    raises naming the empty batch and allow_idle=False, from the model's own error; the
+    busy ranks' forwards run. No backward follows (it would wait for rank 0)."""
+    world = dist.get_world_size()
+    net = _NeedsSamples()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = HeteroDataLoader(_blobs(240), batch_size=60, seed=2)
+    model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None)
+    model.pin_split([0, *([60 // (world - 1)] * (world - 1))])
+    error, cause = None, None
+    for x, _, _ in loader:
+        try:
+            model(x)
+        except RuntimeError as err:
+            error, cause = str(err), repr(err.__cause__)
+        break
+    model.remove_hooks()
+    return {"error": error, "cause": cause}
+
+
 def check_syncbn() -> dict[str, float]:
     """SyncBatchNorm over uneven counts: batch statistics, outputs and running stats
     equal one BatchNorm over the concatenated batch. torch's SyncBatchNorm runs on GPU

@@ -806,8 +806,27 @@ class HeteroDataParallel(nn.Module):
             if not (cycle.stepping and torch.is_grad_enabled() and cycle.exchanges):
                 raise
             out = self._placeholder_after_oom(args, kwargs)
+        except Exception as err:
+            self._refuse_failed_empty_forward(err)
+            raise
         self._after_forward(out)
         return out
+
+    def _refuse_failed_empty_forward(self, err: Exception) -> None:
+        """A forward that failed on this rank's empty local batch raises naming the cause
+        and the option that avoids it: a model written for DDP's equal batches may not run
+        on 0 samples, and its own error (a reshape, an empty reduction) did not say why the
+        batch was empty. Any other failure is left as it is."""
+        cycle = self._cycle
+        if not (cycle.stepping and cycle.split is not None and cycle.split[self.rank] == 0):
+            return
+        raise RuntimeError(
+            f"rank {self.rank}: the model's forward failed on this rank's empty local batch "
+            f"(0 samples of the split {list(cycle.split)}: {type(err).__name__}: {err}). A "
+            f"worker is planned 0 samples where the step is faster without its work; for a "
+            f"model that cannot run on an empty batch pass allow_idle=False (to "
+            f"HeteroDataParallel, CannikinStrategy or CannikinAccelerator), which keeps "
+            f"every worker at 1 sample or more") from err
 
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _before_forward(self) -> DistributedDataParallel:
