@@ -75,9 +75,10 @@ _BEFORE_PASSES = _BEFORE_CPU - 1 - MAX_PASSES
 REPORT_SIZE = 3 + _PREVIOUS  # batch, oom, has previous, previous
 GAP_RATIO = 3.0
 """A step whose period on the clock is over this many times its prediction held more than
-the step: the script's own time between two steps (an evaluation, a checkpoint, another
-model's steps, as in ``bench_real``'s interleaved blocks). The prediction trackers leave it
-out; a slow step is 1.3-1.6x (the 95th-99th percentile on quota workers)."""
+the step: the script's own time between two steps that the runtime does not see (a
+checkpoint, another model's steps with no forward of this one; an evaluation's forward
+marks its step already). The prediction trackers leave it out; a slow step is 1.3-1.6x (the
+95th-99th percentile on quota workers)."""
 _STATE_VERSION = 1
 
 
