@@ -52,25 +52,34 @@ def drive(seed: int, steps: int, config: PlannerConfig | None = None,
           cluster: ClusterModel | None = None, total: int = B,
           extra: Callable[[Sequence[int]], float] | None = None,
           pins: Sequence[tuple[int, Sequence[int] | None]] = (),
-          share: Callable[[Callable[[], Decision]], Decision] | None = None) -> Run:
+          share: Callable[[Callable[[], Decision]], Decision] | None = None,
+          later: tuple[int, ClusterModel] | None = None) -> Run:
     """``extra(split)``: seconds the truth adds to the last all-reduce of a step with
     ``split`` (the model cannot express it: its all-reduce is the same for every split).
     ``pins``: (step, split) pinned from that step on, or released with None
     (:meth:`Planner.pin`). ``share``: how each re-plan's decision is made
-    (:meth:`Planner.replan`)."""
+    (:meth:`Planner.replan`). ``later``: (step, the truth from that step on)."""
     cluster = cluster or truth()
     n = cluster.size
     planner = Planner(config or PlannerConfig(world_size=n, init_batch=total), log_plans=False)
     rng = np.random.default_rng(seed)
-    best = min(zero_split(cluster, total).step_time,
-               *(cluster.step_time(list(p.local_batches)) + (extra(p.local_batches) if extra
-                                                               else 0.0)
-                 for p in (zero_split(cluster, total), split_without(cluster, total, {n - 1}))))
+
+    def best_of(cluster: ClusterModel) -> float:
+        return min(zero_split(cluster, total).step_time,
+                   *(cluster.step_time(list(p.local_batches)) + (extra(p.local_batches)
+                                                                 if extra else 0.0)
+                     for p in (zero_split(cluster, total),
+                               split_without(cluster, total, {n - 1}))))
+
+    best = best_of(cluster)
     run = Run(planner, [], [], [])
     quotas = [CORES[i] if nd.cpu_floor else 0.0 for i, nd in enumerate(cluster.nodes)]
     previous: list[StepReport | None] = [None] * n
     previous_global: float | None = None
     for step in range(steps):
+        if later is not None and step == later[0]:
+            cluster = later[1]
+            best = best_of(cluster)
         for at, pinned in pins:
             if step == at:
                 planner.pin(step, pinned)
@@ -236,8 +245,44 @@ def test_probes_keep_to_their_budget() -> None:
         PlannerConfig(world_size=3, init_batch=B, probe_budget=0)
 
 
+def test_a_worker_at_0_that_became_faster_is_given_work_again() -> None:
+    """``refresh_after``: a worker planned 0 samples is measured at work again, its even
+    share for one probe, once its latest step at work is that old (and the probe within
+    its budget). Here it is 4x slower than the others until step 100, then as fast, and
+    its steps at 0 take the same time at either speed (no forward, no backward: a GPU's),
+    so nothing else shows the change; no other probe or trial runs."""
+    def idle_flat(cluster: ClusterModel) -> ClusterModel:
+        return ClusterModel(nodes=[dataclasses.replace(nd, idle_times=(0.002, 0.002))
+                                   for nd in cluster.nodes], comm=cluster.comm)
+
+    slow, fast = idle_flat(truth((1.0, 1.0, 0.25))), idle_flat(truth((1.0, 1.0, 1.0)))
+    assert zero_split(slow, B).local_batches[2] == 0 < even_split(fast, B).local_batches[2]
+    refreshed, never = [], []
+    for seed in SEEDS:
+        for refresh, late in ((500, refreshed), (None, never)):
+            run = drive(seed, 900, cluster=slow, later=(100, fast), config=PlannerConfig(
+                world_size=3, init_batch=B, refresh_after=refresh, probe_error=None,
+                trial_margin=0))
+            history = run.planner.history
+            assert all(r.local_batches[2] == 0 for r in history if 50 <= r.step < 100), seed
+            probes = [r for r in history if r.reason.startswith("probe")]
+            if refresh is not None:
+                assert probes and probes[0].reason == "probe worker 2 at local batch 226", seed
+                assert 500 <= probes[0].step < 600, (seed, probes[0].step)
+                assert history[-1].local_batches[2] > 0.8 * B / 3, seed
+            else:
+                assert not probes and history[-1].local_batches[2] == 0, seed
+            late.append(float(np.mean(run.quality[-300:])))
+    print(f"mean true step / optimum over the last 300 steps: refreshed "
+          f"{[f'{q:.3f}' for q in refreshed]}, never {[f'{q:.3f}' for q in never]}")
+    assert max(refreshed) <= 1.05 and min(never) > 1.2
+    with pytest.raises(ValueError, match="refresh_after must be None or >= 1, got 0"):
+        PlannerConfig(world_size=3, init_batch=B, refresh_after=0)
+
+
 def test_no_probes_when_disabled_and_the_same_plans_on_every_rank() -> None:
-    off = drive(0, 300, config=PlannerConfig(world_size=3, init_batch=B, probe_error=None))
+    off = drive(0, 600, config=PlannerConfig(world_size=3, init_batch=B, probe_error=None,
+                                             refresh_after=None))
     assert not any(r.reason.startswith("probe") for r in off.planner.history)
     a, b = drive(1, 300), drive(1, 300)
     assert [r.local_batches for r in a.planner.history] == [

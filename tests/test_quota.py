@@ -154,6 +154,28 @@ def test_groups_are_made_with_the_quotas_and_joined_by_rank(tmp_path: Path,
     assert (slow / "cgroup.procs").read_text() == str(os.getpid())
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_share_changed_while_the_job_runs_keeps_its_period(tmp_path: Path,
+                                                             version: int) -> None:
+    groups = QuotaGroups.create((1.0, 0.25), hierarchy=Hierarchy(version, tmp_path), cores=2,
+                                period_us=20_000)
+    quota.change_share(1, 1.0, groups.env())
+    quota.change_share(0, 0.25, groups.env())
+    if version == 1:
+        assert (groups.group(1) / "cpu.cfs_quota_us").read_text() == "20000"
+        assert (groups.group(0) / "cpu.cfs_quota_us").read_text() == "5000"
+        assert (groups.group(0) / "cpu.cfs_period_us").read_text() == "20000"
+    else:
+        assert (groups.group(1) / "cpu.max").read_text() == "20000 20000"
+        assert (groups.group(0) / "cpu.max").read_text() == "5000 20000"
+    with pytest.raises(ValueError, match="share must be a finite number of cores > 0, got 0"):
+        quota.change_share(0, 0.0, groups.env())
+    with pytest.raises(ValueError, match="has no group for rank 2"):
+        quota.change_share(2, 0.5, groups.env())
+    with pytest.raises(ValueError, match="has no group for rank 0"):
+        quota.change_share(0, 0.5, {})
+
+
 def test_join_from_env_errors_and_the_unset_case(tmp_path: Path) -> None:
     assert join_from_env(0, {}) is None
     assert join_from_env(0, {"CANNIKIN_CPU_QUOTA": " "}) is None

@@ -26,7 +26,7 @@ CHECKS = ["grad_mlp", "grad_plain_ddp", "grad_unused", "grad_batchnorm", "hdp_gr
           "replan_not_measured", "seeded_backward", "oom_without_exchange", "idle_route",
           "one_rank_decides", "decider_fails", "backward_onto_gradients", "summed_loss",
           "gan", "unplannable_loops", "compiled", "batchnorm", "idle_worker", "hook_free",
-          "empty_forward"]
+          "empty_forward", "cpu_limit_changed"]
 LAUNCH_TIMEOUT_S = 150.0
 NO_CUDA = "no CUDA device here"
 
@@ -138,6 +138,13 @@ def test_a_replans_time_is_not_the_next_steps(figures: dict[str, Any]) -> None:
     assert 0 < got["cpu_s"][after] < 0.3 and got["fwd_s"][after] < 0.3  # not in its timings,
     assert all(c is not None and 0 < c < 0.3 for c in got["cpu_s"][1:])
     assert got["stall_s"] is not None and got["stall_s"] > 0.3  # and it is the stall seen
+
+
+def test_a_cpu_limit_changed_while_running_reaches_every_planner(
+        figures: dict[str, Any]) -> None:
+    got = figures["cpu_limit_changed"]
+    # set after the model read its limit at the start: only a re-plan's reading shows it
+    assert len(got["plans"]) >= 2 and got["planner"] == [0.25, 0.5, 0.75]
 
 
 def test_noise_scale_starts_over_when_adam_preconditions(figures: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel
 
 from cannikin.log import setup_logging
-from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
+from cannikin.runtime import HeteroDataLoader, HeteroDataParallel, parallel
 from cannikin.runtime.comm import CommState, weighted_allreduce_hook
 from cannikin.runtime.distributed import init_distributed
 from cannikin.runtime.parallel import NORM_STRIDE
@@ -742,6 +742,25 @@ def check_replan_not_measured() -> dict[str, Any]:
             **{key: [r[key] for r in sink.rows] for key in ("step_time_s", "cpu_s", "fwd_s")}}
 
 
+def check_cpu_limit_changed() -> dict[str, Any]:
+    """Each rank's CPU limit changes after the model is built (to 0.25, 0.5, 0.75 cores by
+    rank, as ``docker update --cpus`` would): every re-plan reads it again, and its
+    reports carry it to every rank's planner."""
+    data = _blobs(600)
+    net = _classifier()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = HeteroDataLoader(data, batch_size=48, seed=4)
+    model = HeteroDataParallel(net, opt, loader)
+    read = parallel.own_cpu_limit
+    parallel.own_cpu_limit = functools.partial(float, 0.25 * (dist.get_rank() + 1))
+    try:
+        _train_through(model, opt, loader, 10)
+    finally:
+        parallel.own_cpu_limit = read
+    return {"planner": model.planner.cpu_cores,
+            "plans": [r.step for r in model.planner.history]}
+
+
 def check_one_rank_decides() -> dict[str, Any]:
     """The last rank reports the most CPU cores: once the exchange has told every rank so,
     it alone chooses each re-plan (the others fit, receive its choice and adopt it), on
@@ -756,6 +775,8 @@ def check_one_rank_decides() -> dict[str, Any]:
                                slowdown_profile=(0.002, 0.0002))
     rank, world = dist.get_rank(), dist.get_world_size()
     model.cpu_cores = 2.0 if rank == world - 1 else 1.0
+    read = parallel.own_cpu_limit  # as every re-plan reads them again
+    parallel.own_cpu_limit = functools.partial(float, model.cpu_cores)
     planner = model.planner
     planner.config.plan_budget = None  # the cadence alone: re-plans at 2, 5 and on
     decide = planner._decide
@@ -766,7 +787,10 @@ def check_one_rank_decides() -> dict[str, Any]:
         return decide(*args, **kwargs)
 
     planner._decide = counted  # type: ignore[method-assign]
-    _train_through(model, opt, loader, 60)
+    try:
+        _train_through(model, opt, loader, 60)
+    finally:
+        parallel.own_cpu_limit = read
     model.remove_hooks()
     del os.environ["CANNIKIN_SLOWDOWN"]
     mine = [[r.step, r.reason, list(r.local_batches), r.predicted_step_s,

@@ -357,7 +357,7 @@ class HeteroDataParallel(nn.Module):
         # the parameters whose gradients DDP all-reduces (:meth:`_gradients_clear`)
         self._trained = [p for p in module.parameters() if p.requires_grad]
         self.clock: Clock = clock_for(self.device)
-        self.cpu_cores = own_cpu_limit()  # read once: a worker's quota is set before it starts
+        self.cpu_cores = own_cpu_limit()  # read again at every re-plan (_replan)
         # no norms until a step of the loader asks for them (before attach: plain DDP)
         self.comm = CommState(clock=self.clock, weight=1.0 / self.world_size,
                               capture_sqnorm=False, times_buckets=False)
@@ -1240,6 +1240,9 @@ class HeteroDataParallel(nn.Module):
         """Re-plan after this step, and start the next step's measured period after it
         (:attr:`_Cycle.measure_from`)."""
         start = time.perf_counter()
+        # a CPU limit may change while the job runs (docker update --cpus, an in-place
+        # resize of a Kubernetes pod): ~0.2 ms of CPU, once a re-plan
+        self.cpu_cores = own_cpu_limit()
         self.planner.replan(self._cycle.step, reason, share=self._share_decision)
         cycle = self._cycle
         cycle.plan_s = time.perf_counter() - start

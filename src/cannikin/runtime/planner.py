@@ -341,7 +341,8 @@ class PlannerConfig:
     different batch for one re-plan interval (a probe: the even share, or twice or half its
     batch when that is close), the others split optimally around it. A held plan spans a
     few batch sizes, and the warm-up's even split is then a few noisy samples: on
-    100/50/25% workers the model predicted the even split 13x too slow. None: no probes."""
+    100/50/25% workers the model predicted the even split 13x too slow. None: none of
+    these probes (:attr:`refresh_after` has its own)."""
     probe_every: int = 100
     """Steps from one probe to the next, at least (a probe's steps are slower)."""
     probe_budget: float = 0.02
@@ -350,6 +351,16 @@ class PlannerConfig:
     On 100/50/25% CPU-quota workers a probe of the quarter-core worker at its even share
     doubled the step for 5 steps every 100-140 steps: 4-5% of the run, and the gap between
     Cannikin and plain DDP at its split in the benchmarks that caught one."""
+    refresh_after: int | None = 500
+    """A worker planned under half its even share is probed at that share (as a probe
+    above, within :attr:`probe_budget`) once its latest measured step at half of it or
+    more is this many steps old, however well its fit looks. Nothing else measures it at
+    work: a worker held at 0 samples that became faster stayed there for good (a warm-up
+    that read it slow was never corrected either). In ``tests/test_planner_model.py`` a
+    quarter-speed worker at 0 that became as fast as the others at step 100 was probed
+    at steps 516-539 and then planned its share: the last 300 steps ran 1.004-1.016x the
+    optimum, against 1.28-1.29x without. The budget sets the pace for a worker predicted
+    far slower at its share. None: no refresh."""
     probe_snap: float = 0.1
     """A probe goes to a batch size measured before when one is within this fraction of its
     target, so that repeated probes fill one batch size's measurements (and then stop)."""
@@ -521,6 +532,8 @@ class PlannerConfig:
             raise ValueError(f"probe_snap must be in [0, 1), got {self.probe_snap}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if self.refresh_after is not None and self.refresh_after < 1:
+            raise ValueError(f"refresh_after must be None or >= 1, got {self.refresh_after}")
         if not (0 <= self.plan_hold < 1 and 0 < self.oom_cap_factor < 1):
             raise ValueError(f"plan_hold ({self.plan_hold}) and oom_cap_factor "
                              f"({self.oom_cap_factor}) must be in [0, 1) and (0, 1)")
@@ -663,6 +676,8 @@ class Planner:
     _last_probe: int | None = field(default=None, init=False)  # step of the latest probe
     _before_probe: tuple[tuple[int, ...], int] | None = field(default=None, init=False)
     """The split a probe interrupted and the re-plan interval it had reached."""
+    _last_busy: list[int] = field(init=False)
+    """Each worker's latest measured step at half its even share or more (0 before any)."""
     _measured: deque[tuple[tuple[int, ...], float]] = field(
         default_factory=lambda: deque(maxlen=64), init=False)
     """The last measured steps: (split, step seconds as the median over ranks)."""
@@ -689,6 +704,7 @@ class Planner:
         self.fitters = [NodeFitter() for _ in range(cfg.world_size)]
         self.cpu_fitters = [CpuFitter() for _ in range(cfg.world_size)]
         self.cpu_cores = [0.0] * cfg.world_size
+        self._last_busy = [0] * cfg.world_size
         self.comm_fitter = CommFitter()
         self.idle_comm_fitter = CommFitter()
         self.tracker = PredictionTracker()
@@ -848,7 +864,7 @@ class Planner:
                 self._check_noise()
             self._check_loss(done)
             if step - 1 >= self.config.skip_steps:
-                self._observe_timing(done)
+                self._observe_timing(step - 1, done)
 
     def time_step(self, local_batches: Sequence[int], period_s: float,
                   stall_s: float = 0.0) -> None:
@@ -912,7 +928,7 @@ class Planner:
                 batches.append(report.batch)
         return sqnorms, batches
 
-    def _observe_timing(self, timings: Sequence[StepReport]) -> None:
+    def _observe_timing(self, step: int, timings: Sequence[StepReport]) -> None:
         # a re-plan delays the step it begins on every rank by the slowest rank's re-plan
         # (the others wait for it in the all-reduce)
         stall = max(t.plan_s for t in timings)
@@ -922,6 +938,8 @@ class Planner:
         for rank, (fitter, t) in enumerate(zip(self.fitters, timings, strict=True)):
             # a step at 0 samples is measured too: the fitter keeps it apart (idle_times)
             fitter.add(t.timed, t.fwd_s, t.bwd_s, remember=self._remember[0])
+            if 2 * t.batch * self.config.world_size >= self.current.total_batch:
+                self._last_busy[rank] = step
             if self.config.cpu_floor and t.cpu_s > 0 and t.cpu_cores > 0:
                 self.cpu_fitters[rank].add(t.batch, t.cpu_s, remember=self._remember[0])
                 self.cpu_cores[rank] = t.cpu_cores
@@ -1184,19 +1202,22 @@ class Planner:
     # -- internals -------------------------------------------------------------------------------
     def _probe(self, step: int, cluster: ClusterModel,
                plan: Plan) -> tuple[int, int, Plan] | None:
-        """A probe of the least-known worker instead of the held ``plan`` (``probe_error``):
-        (its rank, its local batch, the probe's split); or None: not due, every fit known
-        well enough, no probe that adds a measurement, or none within its budget
+        """A probe instead of the held ``plan``: of a worker held at 0 samples for long
+        (``refresh_after``) first, else of the least-known worker (``probe_error``): (its
+        rank, its local batch, the probe's split); or None: not due, every fit known well
+        enough and recent, no probe that adds a measurement, or none within its budget
         (``probe_budget``)."""
         cfg = self.config
-        if cfg.probe_error is None or (self._last_probe is not None
-                                       and step - self._last_probe < cfg.probe_every):
+        if (cfg.probe_error is None and cfg.refresh_after is None) or (
+                self._last_probe is not None and step - self._last_probe < cfg.probe_every):
             return None
         n = cfg.world_size
         candidates = []
         for rank, (fitter, b) in enumerate(zip(self.fitters, plan.local_batches, strict=True)):
+            stale = (2 * b * n < plan.total_batch and cfg.refresh_after is not None
+                     and step - self._last_busy[rank] >= cfg.refresh_after)
             error = fitter.slope_error()
-            if not error > cfg.probe_error:
+            if not (stale or (cfg.probe_error is not None and error > cfg.probe_error)):
                 continue
             cap = cfg.cap_of(rank)
             share = plan.total_batch // n
@@ -1212,14 +1233,15 @@ class Planner:
             near = fitter.nearest_level(target)
             if near is not None and abs(near - target) <= cfg.probe_snap * target:
                 target = int(near)  # fill a batch size measured before, not a new one
-            if target == b or fitter.level_count(target) >= fitter.level_samples:
+            full = fitter.level_count(target) >= fitter.level_samples
+            if target == b or (full and not stale):
                 continue  # nothing to add: the probe's batch size is measured in full
-            candidates.append((-error, rank, target))
+            candidates.append((not stale, -error, rank, target))
         if not candidates:  # every fit known: no expected step to weigh a probe against
             return None
         held = cluster.expected_step_time(list(plan.local_batches))
         since = step - (self._last_probe or 0)
-        for _, rank, target in sorted(candidates):
+        for fresh, _, rank, target in sorted(candidates):
             fixed = [dataclasses.replace(nd, min_batch=target, max_batch=target) if i == rank
                      else nd for i, nd in enumerate(cluster.nodes)]
             try:
@@ -1230,6 +1252,8 @@ class Planner:
                 continue  # the others cannot take the rest
             extra = cluster.expected_step_time(list(probe.local_batches)) - held
             if extra * cfg.replan_every > cfg.probe_budget * held * since:
+                if not fresh:  # a refresh waits for its budget: cheaper probes would
+                    return None  # spend it first, every time
                 continue  # it would cost more than its share of the time so far
             return rank, target, probe
         return None

@@ -290,12 +290,9 @@ class QuotaGroups:
     def _make(self, rank: int, share: float) -> None:
         group = self.group(rank)
         group.mkdir()
-        quota = max(MIN_QUOTA_US, round(share * self.period_us))
         if self.hierarchy.version == 1:
             _write(group / "cpu.cfs_period_us", str(self.period_us))
-            _write(group / "cpu.cfs_quota_us", str(quota))
-        else:
-            _write(group / "cpu.max", f"{quota} {self.period_us}")
+        _set_quota(group, self.hierarchy.version, share, self.period_us)
 
     def group(self, rank: int) -> Path:
         """The directory of ``rank``'s group."""
@@ -317,6 +314,14 @@ class QuotaGroups:
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.remove()
+
+
+def _set_quota(group: Path, version: int, share: float, period_us: int) -> None:
+    quota = max(MIN_QUOTA_US, round(share * period_us))
+    if version == 1:
+        _write(group / "cpu.cfs_quota_us", str(quota))
+    else:
+        _write(group / "cpu.max", f"{quota} {period_us}")
 
 
 def _enable_cpu(group: Path) -> None:
@@ -383,3 +388,27 @@ def join_from_env(rank: int, env: Mapping[str, str] | None = None) -> float | No
                          "is missing): was it made for this job and not yet removed?")
     join_group(group)
     return shares[rank]
+
+
+def change_share(rank: int, share: float, env: Mapping[str, str] | None = None) -> None:
+    """Give ``rank``'s group of this job (named by ``CANNIKIN_CPU_QUOTA_GROUPS``) ``share``
+    of a core from now on, in the same period: a worker that becomes faster or slower
+    while the job runs, as a shared node does. Any rank may change any group (root)."""
+    if not (math.isfinite(share) and share > 0):
+        raise ValueError(f"share must be a finite number of cores > 0, got {share!r}")
+    env = os.environ if env is None else env
+    where = env.get(GROUPS_ENV_VAR, "").strip()
+    group = Path(where) / f"rank{rank}"
+    if not where or not group.is_dir():
+        raise ValueError(f"{GROUPS_ENV_VAR}={where!r} has no group for rank {rank}: "
+                         "change_share works in a job launched on CPU quotas")
+    if (group / "cpu.cfs_quota_us").exists():
+        version, period = 1, _read(group / "cpu.cfs_period_us")
+    else:
+        version, period = 2, _read(group / "cpu.max").partition(" ")[2]
+    if not period.isdigit():
+        raise QuotaUnavailable(f"cannot read the CPU period of {group} (got {period!r})")
+    try:
+        _set_quota(group, version, share, int(period))
+    except OSError as err:
+        raise QuotaUnavailable(f"cannot set the CPU quota of {group} ({err.strerror})") from None
