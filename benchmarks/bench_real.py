@@ -10,7 +10,7 @@ timed on the previous one's caches):
 * plain torch DDP at the even split;
 * Cannikin (HeteroDataParallel, split "optimal"), after a warm-up in which it learns the
   workers and settles its split: 150 steps, and on until its plan is held (re-checked
-  every 40 steps and measured every 4th, as in a long run; 150 steps alone left it
+  every 40 steps and measured every 4th to 16th, as in a long run; 150 steps alone left it
   re-planning every 16-20 steps and measuring every step in the blocks in some runs) and
   no probe or trial is in force, up to 600 steps;
 * plain DDP at Cannikin's split (as it stood after the warm-up: one it chose, not a probe's);

@@ -519,7 +519,8 @@ def _sent_as_a_vector(decide: Callable[[], Decision]) -> Decision:
 
 
 _DECISION_STATE = ("_interval", "_next_replan", "_earliest_replan", "_idle_until",
-                   "_last_trial", "_trial", "_last_probe", "_before_probe", "_chosen_noise")
+                   "_last_trial", "_trial", "_last_probe", "_before_probe", "_chosen_noise",
+                   "_held_since")
 
 
 @pytest.mark.parametrize("case", ["probes and zeros", "trials"])

@@ -202,7 +202,7 @@ def test_the_trackers_time_every_step_but_not_the_time_between_steps() -> None:
 def test_a_held_plan_measures_every_fourth_step_and_a_new_plan_every_step() -> None:
     cluster = truth((4.0, 1.0))
     planner = Planner(PlannerConfig(world_size=2, init_batch=64, split="even",
-                                    max_replan_every=40))
+                                    max_replan_every=40, max_measure_stride=4))
     assert all(planner.measures(s) for s in range(8))  # warm-up: every step
     run(planner, cluster, 120)
     assert [planner.measures(s) for s in range(120, 128)] == [s % planner.config.measure_stride == 0
@@ -211,6 +211,41 @@ def test_a_held_plan_measures_every_fourth_step_and_a_new_plan_every_step() -> N
     planner.lower_cap(0, 32)
     assert planner.replan(120, "out of memory").local_batches != (32, 32)
     assert all(planner.measures(s) for s in range(121, 129))
+
+
+def test_a_plan_held_long_is_measured_less_often_until_anything_but_the_cadence() -> None:
+    """``max_measure_stride``: the stride doubles every 2 * max_replan_every steps of a
+    held plan, up to 16; a move starts it again, a pinned split grows it too, and a total
+    batch chosen by goodput keeps it."""
+    cluster = truth((1.0, 2.0))
+    planner = Planner(PlannerConfig(world_size=2, init_batch=64, probe_error=None))
+    measured = _record_measures(planner)
+    run(planner, cluster, 600)
+    assert planner.held and all(r.reason == "cadence" for r in planner.history[1:])
+    since = planner._held_since
+    assert since is not None and since < 200
+    assert [planner.stride(s) for s in (since, since + 79, since + 80, since + 159,
+                                        since + 160, since + 1000)] == [4, 4, 8, 8, 16, 16]
+    assert [s for s in range(400, 600) if measured[s]] == list(range(400, 600, 16))
+    held = planner.local_batches
+    run(planner, truth((1.0, 6.0)), 200, start=600)  # worker 1 3x slower
+    # 2-3 measured steps per cadence interval: a re-plan on the cadence follows it, the
+    # second at the latest (the first may have a single step at the new speed)
+    move = next(r for r in planner.history if r.step >= 600 and r.local_batches != held)
+    assert move.step <= 600 + 2 * 40 and move.local_batches[1] < held[1] / 2
+    assert [measured[s] for s in range(move.step + 1, move.step + 9)] == [
+        s % 4 == 0 for s in range(move.step + 1, move.step + 9)]  # the stride starts again
+    assert planner._held_since is None or planner._held_since > move.step
+    pinned = Planner(PlannerConfig(world_size=2, init_batch=64, max_measure_stride=8))
+    run(pinned, cluster, 20)
+    pinned.pin(20, (32, 32))
+    assert [pinned.stride(s) for s in (20, 99, 100, 400)] == [4, 4, 8, 8]
+    adaptive = Planner(PlannerConfig(world_size=2, init_batch=64, max_batch=256))
+    adaptive.pin(0, (32, 32))
+    assert adaptive.stride(1000) == 4
+    with pytest.raises(ValueError, match=r"max_measure_stride \(2\) must be >= "
+                                         r"measure_stride \(4\)"):
+        PlannerConfig(world_size=2, init_batch=64, max_measure_stride=2)
 
 
 def _record_measures(planner: Planner) -> dict[int, bool]:
@@ -228,7 +263,8 @@ def _record_measures(planner: Planner) -> dict[int, bool]:
 
 def test_a_re_balance_after_a_held_plan_keeps_its_stride_and_a_drift_measures_every_step(
 ) -> None:
-    planner = Planner(PlannerConfig(world_size=3, init_batch=96, probe_error=None))
+    planner = Planner(PlannerConfig(world_size=3, init_batch=96, probe_error=None,
+                                    max_measure_stride=4))
     measured = _record_measures(planner)
     run(planner, truth((1.0, 2.0, 4.0)), 150)
     assert planner.held
@@ -250,7 +286,8 @@ def test_a_re_balance_after_a_held_plan_keeps_its_stride_and_a_drift_measures_ev
 
 
 def test_a_new_total_a_change_of_busy_workers_or_a_drift_measures_every_step() -> None:
-    held = Planner(PlannerConfig(world_size=2, init_batch=64, probe_error=None))
+    held = Planner(PlannerConfig(world_size=2, init_batch=64, probe_error=None,
+                                 max_measure_stride=4))
     run(held, truth((1.0, 2.0)), 150)
     assert held.held
     a, b = held.local_batches
@@ -280,7 +317,7 @@ def test_a_settled_plan_stays_at_its_stride_through_probes_and_re_balances() -> 
 
 def test_a_pinned_split_holds_is_measured_and_released_to_a_replan() -> None:
     cluster = truth((4.0, 1.0, 1.0))
-    planner = Planner(PlannerConfig(world_size=3, init_batch=90))
+    planner = Planner(PlannerConfig(world_size=3, init_batch=90, max_measure_stride=4))
     run(planner, cluster, 20)
     planner.pin(20, (30, 30, 30))
     assert planner.current.reason == "pinned" and planner.current.predicted_step_s is not None

@@ -437,6 +437,19 @@ class PlannerConfig:
     worker's CPU per step sets the step there), for ~75 steps after each such move, several
     times a run. A drift's re-plan, a change of the total batch or of the busy workers
     measures every step."""
+    max_measure_stride: int = 16
+    """The stride doubles every ``2 * max_replan_every`` steps that the plan holds with
+    nothing but re-plans on the cadence that keep it (a probe or trial that returns to it
+    does not count against it), up to this; any other re-plan starts it again at
+    :attr:`measure_stride`. A measured step and the step that carries its exchange each
+    cost the quarter-core worker of ``bench_real`` ~2 ms more CPU than a hook-free one at
+    the even split (+8-9% wall time for that step), and at a stride of 4 they were half
+    the steps. The price is a slower look at a change of speed: :attr:`drift_steps`
+    measured steps take 4x as many steps at 16, so the re-plans on the cadence come
+    first (in ``tests/test_runtime_planner.py`` a worker 3x slower was followed by the
+    second, 49 steps after). The total batch chosen by goodput
+    (:attr:`max_batch`) keeps :attr:`measure_stride`: its noise scale is measured on
+    these steps."""
     drift_steps: int = 6
     """A worker whose compute time is off its model by more than :attr:`drift_change` in
     the median of this many consecutive steps triggers a re-plan at once (single
@@ -544,6 +557,9 @@ class PlannerConfig:
         for name in ("measure_stride", "drift_steps", "drift_noise_history"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_measure_stride < self.measure_stride:
+            raise ValueError(f"max_measure_stride ({self.max_measure_stride}) must be >= "
+                             f"measure_stride ({self.measure_stride})")
         if not 1 <= self.max_micro_batches <= MAX_PASSES:
             raise ValueError(f"max_micro_batches must be in [1, {MAX_PASSES}], got "
                              f"{self.max_micro_batches}")
@@ -695,6 +711,9 @@ class Planner:
     _every_step: bool = field(default=True, init=False)
     """The chosen plan in force is measured every step until it holds; False: at the
     stride from the start (a re-balance, :attr:`PlannerConfig.measure_stride`)."""
+    _held_since: int | None = field(default=None, init=False)
+    """The step from which the held plan's stride grows (:attr:`PlannerConfig.
+    max_measure_stride`); None while no plan holds."""
     _remember: tuple[bool, bool] = field(default=(False, False), init=False)
     """Whether the previous and the current step's split was chosen regardless of the
     measurements (the warm-up's even split, a probe): their timings are remembered."""
@@ -789,8 +808,8 @@ class Planner:
     def held(self) -> bool:
         """The plan has held until the re-plan cadence reached its longest interval
         (:attr:`PlannerConfig.max_replan_every`), or it is pinned: every
-        :attr:`PlannerConfig.measure_stride`-th step is measured, the others cost what
-        plain DDP costs (a new plan measures every step, but a re-balance of a held one:
+        :meth:`stride`-th step is measured, the others cost what plain DDP costs (a new
+        plan measures every step, but a re-balance of a held one:
         :attr:`PlannerConfig.measure_stride`)."""
         return self._interval >= self.config.max_replan_every
 
@@ -798,7 +817,17 @@ class Planner:
         """Whether step ``step`` is measured (:attr:`PlannerConfig.measure_stride`); the
         same answer on every rank, since it depends only on the planner's state."""
         every = self._every_step or self.current.exploring  # a probe or trial: every step
-        return (every and not self.held) or step % self.config.measure_stride == 0
+        return (every and not self.held) or step % self.stride(step) == 0
+
+    def stride(self, step: int) -> int:
+        """Every how many steps a held plan is measured at step ``step``
+        (:attr:`PlannerConfig.measure_stride`, doubling up to :attr:`PlannerConfig.
+        max_measure_stride` while the plan holds)."""
+        cfg = self.config
+        if self._held_since is None or cfg.max_batch is not None:
+            return cfg.measure_stride
+        doublings = min((step - self._held_since) // (2 * cfg.max_replan_every), 16)
+        return min(cfg.measure_stride << doublings, cfg.max_measure_stride)
 
     def due(self, step: int) -> bool:
         """Whether to re-plan after step ``step`` (0-based)."""
@@ -817,6 +846,7 @@ class Planner:
                 self.pinned = False
                 self._interval = self.config.replan_every
                 self._next_replan = step
+                self._held_since = None
             return
         n = self.config.world_size
         given = tuple(split)
@@ -841,6 +871,7 @@ class Planner:
         self.pinned = True
         self._trial, self._before_probe, self._drifted = None, None, None
         self._interval = self.config.max_replan_every  # measured at the held cadence
+        self._held_since = step
         self._end_windows()
 
     # -- feeding it ----------------------------------------------------------------------------
@@ -1113,6 +1144,7 @@ class Planner:
         # step it runs); any change brings the cadence back to replan_every, and a re-plan
         # out of turn (a drift) that changes nothing leaves the cadence as it was
         unchanged = (record.local_batches == previous.local_batches and cluster is not None)
+        returned = False  # to the split a probe or trial interrupted
         if decision.kind == "plan":  # against the plan a probe or trial interrupted
             before, interval = self._before_probe or (previous.local_batches, self._interval)
             if record.local_batches != before:
@@ -1129,7 +1161,8 @@ class Planner:
             self._before_probe = None
             # back to the split the probe interrupted: its cadence (and the measuring that
             # goes with it) as before, instead of re-learning that the split holds
-            self._interval = interval if split == record.local_batches else cfg.replan_every
+            returned = split == record.local_batches
+            self._interval = interval if returned else cfg.replan_every
         elif not unchanged:
             self._interval = cfg.replan_every
         elif record.reason == "cadence":
@@ -1137,6 +1170,10 @@ class Planner:
         affordable = self._affordable_interval(record)
         if not record.exploring:
             self._interval = max(self._interval, affordable)
+        if decision.kind == "plan":
+            kept = record.reason == "cadence" and (unchanged or returned)
+            since = self._held_since if kept and self._held_since is not None else step
+            self._held_since = since if self.held else None
         self._next_replan = step + self._interval
         self._earliest_replan = step + max(cfg.replan_every, affordable)
         changed = (record.local_batches != previous.local_batches
