@@ -170,6 +170,9 @@ def test_a_share_changed_while_the_job_runs_keeps_its_period(tmp_path: Path,
         assert (groups.group(0) / "cpu.max").read_text() == "5000 20000"
     with pytest.raises(ValueError, match="share must be a finite number of cores > 0, got 0"):
         quota.change_share(0, 0.0, groups.env())
+    with pytest.raises(ValueError, match="share 0.01 of a 20000 us period is under the "
+                                         "kernel's minimum quota of 1000 us: give at least 0.05"):
+        quota.change_share(0, 0.01, groups.env())
     with pytest.raises(ValueError, match="has no group for rank 2"):
         quota.change_share(2, 0.5, groups.env())
     with pytest.raises(ValueError, match="has no group for rank 0"):

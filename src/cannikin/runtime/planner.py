@@ -1239,8 +1239,8 @@ class Planner:
     # -- internals -------------------------------------------------------------------------------
     def _probe(self, step: int, cluster: ClusterModel,
                plan: Plan) -> tuple[int, int, Plan] | None:
-        """A probe instead of the held ``plan``: of a worker held at 0 samples for long
-        (``refresh_after``) first, else of the least-known worker (``probe_error``): (its
+        """A probe instead of the held ``plan``: of a worker kept under half its share for
+        long (``refresh_after``) first, else of the least-known worker (``probe_error``): (its
         rank, its local batch, the probe's split); or None: not due, every fit known well
         enough and recent, no probe that adds a measurement, or none within its budget
         (``probe_budget``)."""
@@ -1278,7 +1278,7 @@ class Planner:
             return None
         held = cluster.expected_step_time(list(plan.local_batches))
         since = step - (self._last_probe or 0)
-        for fresh, _, rank, target in sorted(candidates):
+        for by_error, _, rank, target in sorted(candidates):
             fixed = [dataclasses.replace(nd, min_batch=target, max_batch=target) if i == rank
                      else nd for i, nd in enumerate(cluster.nodes)]
             try:
@@ -1289,8 +1289,8 @@ class Planner:
                 continue  # the others cannot take the rest
             extra = cluster.expected_step_time(list(probe.local_batches)) - held
             if extra * cfg.replan_every > cfg.probe_budget * held * since:
-                if not fresh:  # a refresh waits for its budget: cheaper probes would
-                    return None  # spend it first, every time
+                if not by_error:  # a refresh waits for its budget: cheaper probes
+                    return None  # would spend it first, every time
                 continue  # it would cost more than its share of the time so far
             return rank, target, probe
         return None

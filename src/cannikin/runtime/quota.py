@@ -408,6 +408,10 @@ def change_share(rank: int, share: float, env: Mapping[str, str] | None = None) 
         version, period = 2, _read(group / "cpu.max").partition(" ")[2]
     if not period.isdigit():
         raise QuotaUnavailable(f"cannot read the CPU period of {group} (got {period!r})")
+    if share * int(period) < MIN_QUOTA_US:
+        raise ValueError(f"share {share:g} of a {period} us period is under the kernel's "
+                         f"minimum quota of {MIN_QUOTA_US} us: give at least "
+                         f"{MIN_QUOTA_US / int(period):g}")
     try:
         _set_quota(group, version, share, int(period))
     except OSError as err:
