@@ -414,9 +414,10 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
             print(f"  rank {rank}: {line}; {seen}")
     warm, final = result["cannikin_warm"], result["cannikin_final"]
     moved = "" if warm == final else f" (after the warm-up: {'/'.join(map(str, warm))})"
+    held = ("ending on a held plan (measured every 4th step, then every 8th and 16th while it "
+            "holds)" if result["settled"] else "its plan not held by then")
     print(f"\nCannikin's split {'/'.join(map(str, final))}{moved}, {result['plans']} plans; "
-          f"warm-up {result['warmup']} steps, " + ("ending on a held plan (measured every "
-          "4th step)" if result["settled"] else "its plan not held by then"))
+          f"warm-up {result['warmup']} steps, {held}")
     print("its plans in the blocks: " + ("; ".join(
         f"step {step} {reason} {'/'.join(map(str, split))}"
         for step, reason, split in result["block_plans"]) or "none"))
