@@ -55,6 +55,7 @@ from bench_real import (  # noqa: E402
     add_period_option,
     cannikin,
     digits,
+    even_split,
     launch_on_quotas,
     model_parts,
     two_x_away,
@@ -92,7 +93,7 @@ def _worker(out: Path, runs: int, steps: int, rounds: int, block_steps: int) -> 
         model = hdp.cluster_model
         own = tuple(next(r.local_batches for r in reversed(hdp.plan_history)
                          if not r.exploring))
-        even = tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))
+        even = even_split(world)
         splits = {"its split": own, "even": even, "2x away": two_x_away(own)}
         pinned: dict[str, Any] = {
             name: {"split": list(split), "blocks": [], "predicted": None if model is None

@@ -148,12 +148,42 @@ def cannikin(x_all: Any, y_all: Any, hook_free: bool = True) -> tuple[Any, Calla
     return model, step
 
 
+def even_split(world: int) -> tuple[int, ...]:
+    """B over ``world`` workers as evenly as whole samples allow."""
+    return tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))
+
+
+def plain_ddp(x_all: Any, y_all: Any, rank: int, world: int) -> Callable[[tuple[int, ...]], None]:
+    """A fresh plain torch DDP model's training step at a given split: rank i takes b_i of
+    each step's B samples (in a fixed shuffled order) and scales its summed loss by n / B,
+    the exact mean gradient for any fixed split."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    net = mlp()
+    ddp = DistributedDataParallel(net)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(0))
+    cursor = [0]
+
+    def step(split: tuple[int, ...]) -> None:
+        begin = cursor[0] + sum(split[:rank])
+        idx = order[torch.arange(begin, begin + split[rank]) % len(order)]
+        cursor[0] = (cursor[0] + TOTAL) % len(order)
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x_all[idx]), y_all[idx], reduction="sum") * (world / TOTAL)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
 def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
             sweep: bool) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
 
     from cannikin.runtime import init_distributed
     from cannikin.runtime.quota import join_from_env
@@ -175,21 +205,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
         F.cross_entropy(alone(xs), ys).backward()
     compute_s = (time.perf_counter() - start) / 8
 
-    # -- plain DDP: rank i takes b_i of each step's B samples, summed loss x n / B ------------
-    ddp_net = mlp()
-    ddp = DistributedDataParallel(ddp_net)
-    ddp_opt = torch.optim.SGD(ddp_net.parameters(), lr=LR, momentum=0.9)
-    order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(0))
-    cursor = [0]
-
-    def ddp_step(split: tuple[int, ...]) -> None:
-        begin = cursor[0] + sum(split[:rank])
-        idx = order[torch.arange(begin, begin + split[rank]) % len(order)]
-        cursor[0] = (cursor[0] + TOTAL) % len(order)
-        ddp_opt.zero_grad()
-        loss = F.cross_entropy(ddp(x_all[idx]), y_all[idx], reduction="sum") * (world / TOTAL)
-        loss.backward()
-        ddp_opt.step()
+    ddp_step = plain_ddp(x_all, y_all, rank, world)
 
     # -- Cannikin ------------------------------------------------------------------------------
     hdp, free_step = cannikin(x_all, y_all)
@@ -216,7 +232,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
     warm_settled = settled()
     cannikin_split = tuple(hdp.plan.local_batches)
     warm_plans = len(hdp.plan_history)
-    even = tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))
+    even = even_split(world)
     ddp_step(even)  # DDP's first steps rebuild its buckets: not timed
     ddp_step(even)
 

@@ -49,8 +49,6 @@ def _worker(out: Path, steps: int, change_at: int, refresh: bool, rounds: int,
             block_steps: int) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
 
     from cannikin.runtime import init_distributed
     from cannikin.runtime.quota import change_share, join_from_env
@@ -81,22 +79,8 @@ def _worker(out: Path, steps: int, change_at: int, refresh: bool, rounds: int,
     assert before is not None
 
     # -- Cannikin against plain DDP at its split now and at its split before, mirrored --------
-    ddp_net = bench_real.mlp()
-    ddp = DistributedDataParallel(ddp_net)
-    ddp_opt = torch.optim.SGD(ddp_net.parameters(), lr=bench_real.LR, momentum=0.9)
-    cursor = [0]
-
-    def ddp_step(split: tuple[int, ...]) -> None:
-        begin = cursor[0] + sum(split[:rank])
-        idx = torch.arange(begin, begin + split[rank]) % len(y_all)
-        cursor[0] = (cursor[0] + bench_real.TOTAL) % len(y_all)
-        ddp_opt.zero_grad()
-        loss = F.cross_entropy(ddp(x_all[idx]), y_all[idx], reduction="sum")
-        (loss * (world / bench_real.TOTAL)).backward()
-        ddp_opt.step()
-
-    even = tuple(bench_real.TOTAL // world + (r < bench_real.TOTAL % world)
-                 for r in range(world))
+    ddp_step = bench_real.plain_ddp(x_all, y_all, rank, world)
+    even = bench_real.even_split(world)
     mirrored = tuple(reversed(before))
     now = tuple(planner.history[-1].local_batches)
     configs = {"Cannikin": step, "DDP at its split now": lambda: ddp_step(now),

@@ -969,7 +969,7 @@ class Planner:
         for rank, (fitter, t) in enumerate(zip(self.fitters, timings, strict=True)):
             # a step at 0 samples is measured too: the fitter keeps it apart (idle_times)
             fitter.add(t.timed, t.fwd_s, t.bwd_s, remember=self._remember[0])
-            if 2 * t.batch * self.config.world_size >= self.current.total_batch:
+            if self._at_half_share(t.batch, self.current.total_batch):
                 self._last_busy[rank] = step
             if self.config.cpu_floor and t.cpu_s > 0 and t.cpu_cores > 0:
                 self.cpu_fitters[rank].add(t.batch, t.cpu_s, remember=self._remember[0])
@@ -1251,7 +1251,8 @@ class Planner:
         n = cfg.world_size
         candidates = []
         for rank, (fitter, b) in enumerate(zip(self.fitters, plan.local_batches, strict=True)):
-            stale = (2 * b * n < plan.total_batch and cfg.refresh_after is not None
+            stale = (not self._at_half_share(b, plan.total_batch)
+                     and cfg.refresh_after is not None
                      and step - self._last_busy[rank] >= cfg.refresh_after)
             error = fitter.slope_error()
             if not (stale or (cfg.probe_error is not None and error > cfg.probe_error)):
@@ -1294,6 +1295,11 @@ class Planner:
                 continue  # it would cost more than its share of the time so far
             return rank, target, probe
         return None
+
+    def _at_half_share(self, batch: int, total: int) -> bool:
+        """Whether a local batch of ``batch`` is half the even share of ``total`` or more:
+        a measurement at work for :attr:`PlannerConfig.refresh_after`."""
+        return 2 * batch * self.config.world_size >= total
 
     def _idle(self, step: int, cluster: ClusterModel,
               plan: Plan) -> tuple[Plan, dict[int, int]]:
