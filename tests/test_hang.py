@@ -30,3 +30,17 @@ def test_hung_peer_fails_training_with_timeout_naming_rank(hang_step: int, idle:
     assert "rank 0 of 2: gradient all-reduce failed (a peer worker may be hung" in output
     assert "Unable to cast" not in output  # raised as an error, not read as a bucket
     assert GLOO_TIMEOUT.search(output), "the failure was not the process group's timeout"
+
+
+def test_an_idle_rank_that_skips_its_step_fails_naming_why() -> None:
+    """A script that skips a step on a non-finite local loss skips it on a rank planned 0
+    samples alone (its mean loss is NaN): that rank raises at its next step, naming the
+    cause and the ways out, instead of its peer waiting for it in the all-reduce."""
+    result = run_torchrun(WORKERS / "hang_worker.py", nproc=2,
+                          script_args=["--timeout", "60", "--skip-nonfinite"],
+                          timeout_s=50, env={"CANNIKIN_SLOWDOWN": ""})
+    assert not result.timed_out, "the job waited instead of failing at the skipped step"
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "rank 1 had 0 samples in step 0 (split [20, 0])" in output
+    assert "allow_idle=False" in output

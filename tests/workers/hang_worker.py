@@ -1,7 +1,9 @@
 """Worker for tests/test_hang.py: HeteroDataParallel training where the last rank stops
 responding at step ``--hang-step``; the others must fail at the collective timeout (``--timeout``),
 naming their rank, instead of waiting forever. With ``--idle`` the hung rank has no samples,
-so that its peers wait for it in the idle route's broadcast (cannikin.runtime.routes)."""
+so that its peers wait for it in the idle route's broadcast (cannikin.runtime.routes). With
+``--skip-nonfinite`` no rank hangs: the script skips a step whose local loss is not finite,
+as some do, and the last rank, given no samples, has a NaN loss every step."""
 
 import argparse
 import time
@@ -20,6 +22,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--hang-step", type=int, default=3)
     parser.add_argument("--idle", action="store_true")
+    parser.add_argument("--skip-nonfinite", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=args.timeout)
@@ -29,14 +32,17 @@ def main() -> None:
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     loader = HeteroDataLoader(data, batch_size=20)
     model = HeteroDataParallel(net, optimizer, loader)
-    if args.idle:
+    if args.idle or args.skip_nonfinite:
         model.pin_split([20] + [0] * (ctx.world_size - 1))
     for x, y in loader:
         if model.step == args.hang_step and ctx.rank == ctx.world_size - 1:
             print(f"rank {ctx.rank} stops responding", flush=True)
             time.sleep(3600)
         optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        loss = F.cross_entropy(model(x), y)
+        if args.skip_nonfinite and not torch.isfinite(loss):
+            continue
+        loss.backward()
         optimizer.step()
 
 

@@ -153,6 +153,8 @@ class _Cycle:
     prediction trackers time it (:meth:`Planner.time_step`)."""
     forward_between: bool = False
     """A forward of this model ran since the last step ended."""
+    trained_forward: bool = False
+    """A forward of this step ran in training mode with gradients enabled."""
     unmeasured_by: set[str] = field(default_factory=set)
     """This step's causes not to measure it, of :data:`~cannikin.runtime.unmeasured.CAUSES`."""
     lost: LostSteps = field(default_factory=LostSteps)
@@ -686,6 +688,7 @@ class HeteroDataParallel(nn.Module):
     def begin_step(self, split: tuple[int, ...]) -> None:
         """The loader hands out this step's split: set the weight, reset the records."""
         cycle = self._cycle
+        self._refuse_skipped_idle_step()
         total = sum(split)
         self._buffer_source.rank = cycle.largest  # the step before's: its forward moved them most
         if not split[self.rank] and not cycle.said_idle and total == self.planner.total_batch:
@@ -706,7 +709,7 @@ class HeteroDataParallel(nn.Module):
             # evaluation that iterates the loader: no backward)
             self._count_lost({UNSTEPPED}, measured=False)
         cycle.unmeasured_by = {FORWARD_BETWEEN} if cycle.forward_between else set()
-        cycle.forward_between = False
+        cycle.forward_between = cycle.trained_forward = False
         cycle.exchanges = cycle.planned_measuring or self.attached.exchange_every_step
         cycle.planned_measuring = self.planner.measures(cycle.step)
         cycle.measuring = cycle.planned_measuring and not interrupted
@@ -812,6 +815,31 @@ class HeteroDataParallel(nn.Module):
         self._after_forward(out)
         return out
 
+    def _refuse_skipped_idle_step(self) -> None:
+        """A rank planned 0 samples that trained a forward of its step and went on to the
+        next step without its backward raises, naming the cause: the others wait in the
+        step's all-reduce for its gradient, and would wait until the collective timeout
+        (or fail on its exit) with an error that says nothing of why. Its mean loss is
+        NaN (the mean of nothing), so a script that skips a step on a non-finite local
+        loss, or on an empty batch, skips it on this rank alone; under DDP no rank had
+        an empty batch, and the same script ran."""
+        cycle = self._cycle
+        split = cycle.split
+        if not (cycle.stepping and cycle.trained_forward and not self.comm.backwards
+                and split is not None and split[self.rank] == 0):
+            return
+        raise RuntimeError(
+            f"rank {self.rank} had 0 samples in step {cycle.step} (split {list(split)}) and "
+            f"went on to the next step without a backward, while the other ranks wait for "
+            f"its gradient in the step's all-reduce. Its mean loss is NaN (the mean of no "
+            f"samples): a script that skips a step on a non-finite local loss (`if not "
+            f"torch.isfinite(loss): continue`) or on an empty batch skips it on this rank "
+            f"alone. Run the backward and optimizer.step() on every rank (the idle rank's "
+            f"gradient is zero and its update exact), decide a skip on the loss weighed "
+            f"by model.step_share and all-reduced (the same on every rank), or pass "
+            f"allow_idle=False (to HeteroDataParallel, CannikinStrategy or "
+            f"CannikinAccelerator) to keep every worker at 1 sample or more")
+
     def _refuse_failed_empty_forward(self, err: Exception) -> None:
         """A forward that failed on this rank's empty local batch raises naming the cause
         and the option that avoids it: a model written for DDP's equal batches may not run
@@ -847,6 +875,8 @@ class HeteroDataParallel(nn.Module):
     @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _after_forward(self, out: Any) -> None:
         cycle = self._cycle
+        cycle.trained_forward |= (cycle.stepping and torch.is_grad_enabled()
+                                  and self.module.training)
         at_start: list[Callable[[torch.Tensor], None]] = []  # run as the backward starts
         if cycle.stepping and torch.is_grad_enabled():
             unmarked = ((cycle.pass_index == 0 and cycle.bwd_start is None)
