@@ -948,6 +948,27 @@ def test_the_cpu_floors_noise_is_the_spread_of_the_cpu_around_each_level() -> No
         assert fitter.noise() == pytest.approx(sigma, rel=0.3)
 
 
+def test_the_cpu_floor_follows_a_creep_measured_every_16th_step() -> None:
+    """A held plan measured every 16th step: the quarter-core worker's CPU at 0 samples
+    creeps from 7.0 to 9.0 ms over its last 200 steps (as in a 900-step run of
+    bench_prediction). Reference: numpy's median of the measurements of the last 256
+    steps. The whole window of 64 measurements (1000 steps) lags behind by 12%."""
+    rng = np.random.default_rng(8)
+    fitter = CpuFitter()
+    steps = np.arange(0, 1024, 16)
+    truth = np.where(steps < 824, 0.0070, 0.0070 + 0.0020 * (steps - 824) / 200)
+    measured = truth * np.exp(0.05 * rng.standard_normal(steps.size))
+    for step, cpu in zip(steps.tolist(), measured.tolist(), strict=True):
+        fitter.add(0, cpu, step=step)
+    recent = measured[steps > steps[-1] - fitter.span]
+    assert recent.size == 16
+    assert fitter.idle() == pytest.approx(float(np.median(recent)), rel=1e-12)
+    assert fitter.idle() == pytest.approx(0.0083, rel=0.05)
+    assert float(np.median(measured)) < 0.0073  # what the window alone made of it
+    with pytest.raises(ValueError, match="span=0"):
+        CpuFitter(span=0)
+
+
 def test_cpu_fitter_levels_need_samples_and_keep_their_ends() -> None:
     fitter = CpuFitter(window=8, levels=3, min_samples=2)
     assert fitter.floor_line() is None and not fitter.add(4, math.nan)

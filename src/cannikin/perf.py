@@ -1190,8 +1190,14 @@ class CpuFitter:
 
     The floor is the chord from the median CPU at the smallest to the median at the
     largest batch size measured at least ``min_samples`` times, in the window of the last
-    ``window`` steps or remembered (``add(..., remember=True)``: the warm-up's even split,
-    probes; the latest ``level_samples`` at each of up to ``levels`` sizes). A chord, not a
+    ``window`` measured steps of the last ``span`` steps, or remembered (``add(...,
+    remember=True)``: the warm-up's even split, probes; the latest ``level_samples`` at
+    each of up to ``levels`` sizes). The span keeps the floor on the worker's present CPU
+    where a held plan is measured every 16th step (:attr:`~cannikin.runtime.planner.
+    PlannerConfig.max_measure_stride`): 64 measurements then reached 1000 steps back, and
+    when the quarter-core worker's CPU at 0 samples crept from 7.0 to 9.0 ms over the last
+    200 steps of a 900-step ``bench_prediction`` run the floor read 7.5-8.3 ms, the step
+    predicted 7-12% short. A chord, not a
     fitted line: a worker's CPU per sample falls as its batch grows (a larger matrix
     product is cheaper per sample; on the quarter-core worker of ``bench_real`` 16.6 ms at
     0 samples, 22.5 at 28, 27.2 at 80, 30.4 at 160), so a least-squares line through the
@@ -1215,14 +1221,15 @@ class CpuFitter:
     """
 
     window: int = 64
+    span: int = 256
     levels: int = 16
     level_samples: int = 9
     min_samples: int = 3
-    _recent: deque[tuple[float, float]] = field(init=False, repr=False)
+    _recent: deque[tuple[int, float, float]] = field(init=False, repr=False)
     _remembered: OrderedDict[float, deque[float]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("window", "levels", "level_samples", "min_samples"):
+        for name in ("window", "span", "levels", "level_samples", "min_samples"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -1233,14 +1240,18 @@ class CpuFitter:
 
     @property
     def num_samples(self) -> int:
-        """Steps in the window."""
+        """Steps in the window (the latest ``window``, whatever their age)."""
         return len(self._recent)
 
-    def add(self, batch: float, cpu_s: float, remember: bool = False) -> bool:
-        """Record one step's CPU; False (nothing kept) for a non-finite or negative value."""
+    def add(self, batch: float, cpu_s: float, remember: bool = False,
+            step: int | None = None) -> bool:
+        """Record one step's CPU, measured at step ``step`` (None: the step after the last
+        one added); False (nothing kept) for a non-finite or negative value."""
         if not (math.isfinite(batch) and math.isfinite(cpu_s) and batch >= 0 and cpu_s >= 0):
             return False
-        self._recent.append((float(batch), float(cpu_s)))
+        if step is None:
+            step = self._recent[-1][0] + 1 if self._recent else 0
+        self._recent.append((step, float(batch), float(cpu_s)))
         if remember or batch == 0:
             level = self._remembered.get(float(batch))
             if level is None:
@@ -1254,10 +1265,12 @@ class CpuFitter:
 
     def _levels(self) -> dict[float, list[float]]:
         """The measurements at each batch size measured at least ``min_samples`` times:
-        the window's, and the remembered sizes the window does not hold enough of."""
+        the window's within its span, and the remembered sizes it does not hold enough of."""
         by_size: dict[float, list[float]] = {}
-        for batch, cpu in self._recent:
-            by_size.setdefault(batch, []).append(cpu)
+        latest = self._recent[-1][0] if self._recent else 0
+        for step, batch, cpu in self._recent:
+            if step > latest - self.span:
+                by_size.setdefault(batch, []).append(cpu)
         levels = {b: v for b, v in by_size.items() if len(v) >= self.min_samples}
         for batch, level in self._remembered.items():
             if batch not in levels and len(level) >= self.min_samples:

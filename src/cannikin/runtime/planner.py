@@ -972,7 +972,8 @@ class Planner:
             if self._at_half_share(t.batch, self.current.total_batch):
                 self._last_busy[rank] = step
             if self.config.cpu_floor and t.cpu_s > 0 and t.cpu_cores > 0:
-                self.cpu_fitters[rank].add(t.batch, t.cpu_s, remember=self._remember[0])
+                self.cpu_fitters[rank].add(t.batch, t.cpu_s, remember=self._remember[0],
+                                           step=step)
                 self.cpu_cores[rank] = t.cpu_cores
         routed = self.config.idle_route and any(t.batch == 0 for t in timings)
         self._add_comm([t for t in timings if t.batch > 0],
