@@ -32,15 +32,20 @@ def test_hung_peer_fails_training_with_timeout_naming_rank(hang_step: int, idle:
     assert GLOO_TIMEOUT.search(output), "the failure was not the process group's timeout"
 
 
-def test_an_idle_rank_that_skips_its_step_fails_naming_why() -> None:
-    """A script that skips a step on a non-finite local loss skips it on a rank planned 0
-    samples alone (its mean loss is NaN): that rank raises at its next step, naming the
-    cause and the ways out, instead of its peer waiting for it in the all-reduce."""
+@pytest.mark.parametrize(("skip", "went_on_to"), [("continue", "the next step"),
+                                                ("step", "its optimizer step")])
+def test_an_idle_rank_that_skips_its_backward_fails_naming_why(skip: str,
+                                                               went_on_to: str) -> None:
+    """A script that skips the backward on a non-finite local loss skips it on a rank
+    planned 0 samples alone (its mean loss is NaN): that rank raises, at its next step or
+    at the optimizer step it still takes, naming the cause and the ways out, instead of
+    its peer waiting for it in the all-reduce."""
     result = run_torchrun(WORKERS / "hang_worker.py", nproc=2,
-                          script_args=["--timeout", "60", "--skip-nonfinite"],
+                          script_args=["--timeout", "60", "--skip-nonfinite", skip],
                           timeout_s=50, env={"CANNIKIN_SLOWDOWN": ""})
-    assert not result.timed_out, "the job waited instead of failing at the skipped step"
+    assert not result.timed_out, "the job waited instead of failing at the skipped backward"
     assert result.returncode != 0
     output = result.stdout + result.stderr
-    assert "rank 1 had 0 samples in step 0 (split [20, 0])" in output
+    assert (f"rank 1 had 0 samples in step 0 (split [20, 0]) and went on to {went_on_to} "
+            f"without a backward") in output
     assert "allow_idle=False" in output

@@ -2,8 +2,9 @@
 responding at step ``--hang-step``; the others must fail at the collective timeout (``--timeout``),
 naming their rank, instead of waiting forever. With ``--idle`` the hung rank has no samples,
 so that its peers wait for it in the idle route's broadcast (cannikin.runtime.routes). With
-``--skip-nonfinite`` no rank hangs: the script skips a step whose local loss is not finite,
-as some do, and the last rank, given no samples, has a NaN loss every step."""
+``--skip-nonfinite continue`` no rank hangs: the script skips a step whose local loss is not
+finite, as some do, and the last rank, given no samples, has a NaN loss every step; with
+``--skip-nonfinite step`` it skips the backward and still takes the optimizer step."""
 
 import argparse
 import time
@@ -22,7 +23,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--hang-step", type=int, default=3)
     parser.add_argument("--idle", action="store_true")
-    parser.add_argument("--skip-nonfinite", action="store_true")
+    parser.add_argument("--skip-nonfinite", choices=("continue", "step"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=args.timeout)
@@ -41,6 +42,8 @@ def main() -> None:
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         if args.skip_nonfinite and not torch.isfinite(loss):
+            if args.skip_nonfinite == "step":
+                optimizer.step()
             continue
         loss.backward()
         optimizer.step()

@@ -688,7 +688,7 @@ class HeteroDataParallel(nn.Module):
     def begin_step(self, split: tuple[int, ...]) -> None:
         """The loader hands out this step's split: set the weight, reset the records."""
         cycle = self._cycle
-        self._refuse_skipped_idle_step()
+        self._refuse_skipped_idle_backward("the next step")
         total = sum(split)
         self._buffer_source.rank = cycle.largest  # the step before's: its forward moved them most
         if not split[self.rank] and not cycle.said_idle and total == self.planner.total_batch:
@@ -815,14 +815,15 @@ class HeteroDataParallel(nn.Module):
         self._after_forward(out)
         return out
 
-    def _refuse_skipped_idle_step(self) -> None:
-        """A rank planned 0 samples that trained a forward of its step and went on to the
-        next step without its backward raises, naming the cause: the others wait in the
-        step's all-reduce for its gradient, and would wait until the collective timeout
-        (or fail on its exit) with an error that says nothing of why. Its mean loss is
-        NaN (the mean of nothing), so a script that skips a step on a non-finite local
-        loss, or on an empty batch, skips it on this rank alone; under DDP no rank had
-        an empty batch, and the same script ran."""
+    def _refuse_skipped_idle_backward(self, went_on_to: str) -> None:
+        """A rank planned 0 samples that trained a forward of its step and went on to
+        ``went_on_to`` (the next step, or its optimizer step) without a backward raises,
+        naming the cause: the others wait in the step's all-reduce for its gradient, and
+        would wait until the collective timeout (or fail when it leaves) with an error
+        that says nothing of why. Its mean loss is NaN (the mean of nothing), so a script
+        that skips the backward on a non-finite local loss, or on an empty batch, skips
+        it on this rank alone; under DDP no rank had an empty batch, and the same script
+        ran."""
         cycle = self._cycle
         split = cycle.split
         if not (cycle.stepping and cycle.trained_forward and not self.comm.backwards
@@ -830,13 +831,13 @@ class HeteroDataParallel(nn.Module):
             return
         raise RuntimeError(
             f"rank {self.rank} had 0 samples in step {cycle.step} (split {list(split)}) and "
-            f"went on to the next step without a backward, while the other ranks wait for "
+            f"went on to {went_on_to} without a backward, while the other ranks wait for "
             f"its gradient in the step's all-reduce. Its mean loss is NaN (the mean of no "
-            f"samples): a script that skips a step on a non-finite local loss (`if not "
-            f"torch.isfinite(loss): continue`) or on an empty batch skips it on this rank "
-            f"alone. Run the backward and optimizer.step() on every rank (the idle rank's "
-            f"gradient is zero and its update exact), decide a skip on the loss weighed "
-            f"by model.step_share and all-reduced (the same on every rank), or pass "
+            f"samples): a script that skips the backward on a non-finite local loss (`if "
+            f"not torch.isfinite(loss): continue`) or on an empty batch skips it on this "
+            f"rank alone. Run the backward and optimizer.step() on every rank (the idle "
+            f"rank's gradient is zero and its update exact), decide a skip on the loss "
+            f"weighed by model.step_share and all-reduced (the same on every rank), or pass "
             f"allow_idle=False (to HeteroDataParallel, CannikinStrategy or "
             f"CannikinAccelerator) to keep every worker at 1 sample or more")
 
@@ -1160,6 +1161,7 @@ class HeteroDataParallel(nn.Module):
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if not (cycle.reached if cycle.hook_free else self.comm.backwards):
             if closure is None:
+                self._refuse_skipped_idle_backward("its optimizer step")
                 self._refuse_unreduced_gradients()
             else:  # its passes run after this hook
                 cycle.measuring = False
@@ -1365,6 +1367,7 @@ class HeteroDataParallel(nn.Module):
         cycle = self._cycle
         if not cycle.stepping:
             return
+        self._refuse_skipped_idle_backward("its optimizer step")  # a closure's, run in it
         self._end_step()
         if not cycle.scaled:
             return  # skipped step (out of memory): retried with the new split
