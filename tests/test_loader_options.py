@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import random
 from collections import UserDict, namedtuple
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from cannikin.runtime.fetch import concat_batches, make_fetcher
+from cannikin.runtime.fetch import concat_batches, make_fetcher, pinned
 from cannikin.runtime.loader import HeteroDataLoader, OnePass
 from cannikin.runtime.sampler import UnevenSampler
 
@@ -324,3 +326,53 @@ def test_an_epoch_stopped_after_len_steps_ends_there() -> None:
         it = iter(loader)
         seen = [int(i) for _ in range(len(loader)) for i in next(it)[0]]
         assert sorted(seen) == list(range(23)) and loader.epoch == epoch
+
+
+def test_pinned_reaches_every_tensor_that_dataloader_pins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reference: the same walk as torch's DataLoader pin_memory, with page-locking faked
+    (this machine has no accelerator): a UserDict (a Hugging Face BatchEncoding), a
+    read-only mapping, one that cannot be rebuilt (a dict then, as DataLoader gives), a
+    named tuple and a batch with its own ``pin_memory()``."""
+    marked: list[torch.Tensor] = []
+
+    def fake_pin(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        out = self.clone()
+        marked.append(out)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+
+    class Custom:
+        def __init__(self) -> None:
+            self.pinned = False
+
+        def pin_memory(self) -> Custom:
+            self.pinned = True
+            return self
+
+    class Fixed(Mapping[str, torch.Tensor]):
+        def __init__(self, data: dict[str, torch.Tensor], note: str) -> None:
+            self.data, self.note = data, note
+
+        def __getitem__(self, key: str) -> torch.Tensor:
+            return self.data[key]
+
+        def __iter__(self) -> Iterator[str]:
+            return iter(self.data)
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+    Pair = namedtuple("Pair", ["x", "y"])
+    encoding = UserDict({"input_ids": torch.ones(2, 3), "labels": torch.zeros(2)})
+    batch = [encoding, MappingProxyType({"mask": torch.ones(2)}),
+             Fixed({"w": torch.ones(3)}, "note"), Pair(torch.ones(1), "tag"), Custom()]
+    out = pinned(batch)
+    assert type(out[0]) is UserDict and set(out[0]) == {"input_ids", "labels"}
+    assert type(out[1]) is MappingProxyType and out[1]["mask"] is marked[2]
+    assert type(out[2]) is dict and out[2]["w"] is marked[3]
+    assert type(out[3]) is Pair and out[3].y == "tag"
+    assert out[4].pinned
+    assert len(marked) == 5 and all(any(t is m for m in marked) for t in
+                                     (out[0]["input_ids"], out[0]["labels"], out[3].x))
+    assert encoding["input_ids"] is not out[0]["input_ids"]  # the batch handed in is kept

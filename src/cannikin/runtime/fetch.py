@@ -14,10 +14,11 @@ concatenated (the same batch as collating all samples at once); a custom ``colla
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
@@ -68,15 +69,31 @@ def concat_batches(parts: Sequence[Batch]) -> Batch:
 
 
 def pinned(batch: Batch) -> Batch:
-    """Every tensor of ``batch`` in page-locked memory (a faster copy to the GPU)."""
+    """Every tensor of ``batch`` in page-locked memory (a faster copy to the GPU), through
+    the containers DataLoader's ``pin_memory`` goes through: named tuples, sequences, any
+    mapping (a Hugging Face ``BatchEncoding`` is a ``UserDict``, not a dict: it stayed
+    unpinned), and an object with a ``pin_memory()`` method of its own (a custom batch)."""
     if isinstance(batch, torch.Tensor):
         return batch.pin_memory()
+    if isinstance(batch, str | bytes):
+        return batch
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(pinned(b) for b in batch))
     if isinstance(batch, tuple | list):
         return type(batch)(pinned(b) for b in batch)
-    if isinstance(batch, dict):
-        return type(batch)({k: pinned(v) for k, v in batch.items()})
+    if isinstance(batch, Mapping):
+        items = {key: pinned(value) for key, value in batch.items()}
+        try:
+            if isinstance(batch, MutableMapping):
+                clone = copy.copy(batch)  # keeps what its constructor would not take again
+                clone.update(items)
+                return clone
+            rebuild: Callable[[dict[Any, Batch]], Batch] = type(batch)
+            return rebuild(items)
+        except TypeError:  # a mapping that cannot be rebuilt: a dict, as DataLoader gives
+            return items
+    if callable(getattr(batch, "pin_memory", None)):
+        return batch.pin_memory()
     return batch
 
 
