@@ -381,8 +381,9 @@ class CommModel:
 
 
 def _crossing(rho: FloatArray, remaining: FloatArray, a: int, b: int) -> float:
-    """K where lines a and b (rho[b] > rho[a]) of ``R + rho*K`` meet."""
-    return float((remaining[a] - remaining[b]) / (rho[b] - rho[a]))
+    """K where lines a and b (rho[b] > rho[a]) of ``R + rho*K`` meet; inf for lines all
+    but parallel (in Python floats, which give inf where numpy's warn of an overflow)."""
+    return (float(remaining[a]) - float(remaining[b])) / (float(rho[b]) - float(rho[a]))
 
 
 @dataclass(frozen=True)

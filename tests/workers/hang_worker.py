@@ -36,7 +36,8 @@ def main() -> None:
     if args.idle or args.skip_nonfinite:
         model.pin_split([20] + [0] * (ctx.world_size - 1))
     for x, y in loader:
-        if model.step == args.hang_step and ctx.rank == ctx.world_size - 1:
+        hangs = not args.skip_nonfinite and model.step == args.hang_step
+        if hangs and ctx.rank == ctx.world_size - 1:
             print(f"rank {ctx.rank} stops responding", flush=True)
             time.sleep(3600)
         optimizer.zero_grad()
