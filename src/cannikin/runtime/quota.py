@@ -296,7 +296,7 @@ class QuotaGroups:
 
     def group(self, rank: int) -> Path:
         """The directory of ``rank``'s group."""
-        return self.path / f"rank{rank}"
+        return _rank_group(self.path, rank)
 
     def env(self) -> dict[str, str]:
         """The environment variables that let each worker join its group."""
@@ -378,16 +378,28 @@ def join_from_env(rank: int, env: Mapping[str, str] | None = None) -> float | No
     shares = parse_shares(raw)
     if not 0 <= rank < len(shares):
         raise ValueError(f"{ENV_VAR}={raw!r} names {len(shares)} ranks but this is rank {rank}")
+    join_group(_group_from_env(rank, env))
+    return shares[rank]
+
+
+def _rank_group(job: Path, rank: int) -> Path:
+    """The directory of ``rank``'s group among ``job``'s."""
+    return job / f"rank{rank}"
+
+
+def _group_from_env(rank: int, env: Mapping[str, str]) -> Path:
+    """``rank``'s group of the job named by ``CANNIKIN_CPU_QUOTA_GROUPS``; refused by name
+    where there is none."""
     where = env.get(GROUPS_ENV_VAR, "").strip()
     if not where:
-        raise ValueError(f"{ENV_VAR}={raw!r} is set but {GROUPS_ENV_VAR} is not: it names the "
-                         "directory of groups that QuotaGroups.create made for this job")
-    group = Path(where) / f"rank{rank}"
+        raise ValueError(f"{GROUPS_ENV_VAR} is not set, so it has no group for rank {rank}: "
+                         "it names the directory of groups that QuotaGroups.create made for "
+                         "a job launched on CPU quotas")
+    group = _rank_group(Path(where), rank)
     if not group.is_dir():
         raise ValueError(f"{GROUPS_ENV_VAR}={where!r} has no group for rank {rank} ({group} "
                          "is missing): was it made for this job and not yet removed?")
-    join_group(group)
-    return shares[rank]
+    return group
 
 
 def change_share(rank: int, share: float, env: Mapping[str, str] | None = None) -> None:
@@ -396,12 +408,7 @@ def change_share(rank: int, share: float, env: Mapping[str, str] | None = None) 
     while the job runs, as a shared node does. Any rank may change any group (root)."""
     if not (math.isfinite(share) and share > 0):
         raise ValueError(f"share must be a finite number of cores > 0, got {share!r}")
-    env = os.environ if env is None else env
-    where = env.get(GROUPS_ENV_VAR, "").strip()
-    group = Path(where) / f"rank{rank}"
-    if not where or not group.is_dir():
-        raise ValueError(f"{GROUPS_ENV_VAR}={where!r} has no group for rank {rank}: "
-                         "change_share works in a job launched on CPU quotas")
+    group = _group_from_env(rank, os.environ if env is None else env)
     if (group / "cpu.cfs_quota_us").exists():
         version, period = 1, _read(group / "cpu.cfs_period_us")
     else:
