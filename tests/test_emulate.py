@@ -11,7 +11,7 @@ from cannikin.runtime.emulate import install_slowdown, slowdown_from_env
 
 FIXED_S, PER_SAMPLE_S = 1e-2, 5e-4  # far above the real compute and sleep wake-up lag
 BATCHES = (8, 32, 64)
-REPEATS = 4
+REPEATS = 8
 
 
 def mlp() -> nn.Module:
@@ -40,11 +40,16 @@ def test_factor_three_takes_three_times_as_long_and_slopes_follow() -> None:
         for batch in BATCHES:
             for factor, model in models.items():
                 samples.setdefault((factor, batch), []).append(time_step(model, batch))
-    median = {key: np.median(np.array(value), axis=0) for key, value in samples.items()}
+    # the least disturbed of the repeats: a sleep ends late, never early. Beside a busy
+    # core a short sleep wakes 2-8 ms late more often than a long one: a median of four
+    # read the fast model's forward at 8 samples 24% long (a ratio of 2.43) in one run of
+    # the suite on a loaded machine, and a minimum of four failed 4 runs of 9 beside a CPU
+    # hog; a minimum of eight passed 8 of 8
+    least = {key: np.min(np.array(value), axis=0) for key, value in samples.items()}
     b = np.array(BATCHES, dtype=float)
     for phase, scale in ((0, 1.0), (1, 2.0)):  # forward, backward (2x the forward target)
-        fast = np.array([median[1.0, x][phase] for x in BATCHES])
-        slow = np.array([median[3.0, x][phase] for x in BATCHES])
+        fast = np.array([least[1.0, x][phase] for x in BATCHES])
+        slow = np.array([least[3.0, x][phase] for x in BATCHES])
         np.testing.assert_allclose(slow / fast, 3.0, rtol=0.15)
         slope_fast, _ = np.polyfit(b, fast, 1)
         slope_slow, icpt_slow = np.polyfit(b, slow, 1)
