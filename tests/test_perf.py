@@ -870,11 +870,43 @@ def test_the_cpu_floor_is_the_chord_under_a_concave_cpu_curve() -> None:
     assert fitter.idle() == pytest.approx(float(np.median(idle[-fitter.level_samples:])))
 
 
+def test_where_the_cpu_per_sample_grows_the_floor_touches_the_level_in_use() -> None:
+    """A small transformer's CPU per step on one core grows faster than its batch (4.4,
+    10.7, 15.5 and 32.1 ms at 24, 106, 165 and 330 samples), and a probe's few steps at 330
+    read 30% higher still; the plan is at 165. The chord from 24 to 330 runs 39% over the
+    level in use. Reference, by brute force over the level medians: the slopes a line
+    through the level in use can take and stay under every level (from the steepest chord
+    to a smaller size to the shallowest to a larger one) and start at 0 or above (at most
+    the level over its size); the floor's is the chord's slope held within them."""
+    rng = np.random.default_rng(7)
+    truth = {24: 0.0044, 106: 0.0107, 165: 0.0155, 330: 0.0321 * 1.3}
+    fitter = CpuFitter()
+    for batch, count in ((24, 5), (106, 5), (330, 3), (165, 40)):
+        for _ in range(count):
+            fitter.add(batch, truth[batch] * float(np.exp(0.05 * rng.standard_normal())),
+                       remember=batch != 165)
+    medians = fitter.level_medians()
+    assert fitter.in_use() == (165, 40)
+    chord = (medians[330] - medians[24]) / (330 - 24)
+    assert medians[24] + chord * (165 - 24) > 1.3 * medians[165]
+    at = medians[165]
+    low = max((at - medians[b]) / (165 - b) for b in (24, 106))
+    high = min((medians[330] - at) / (330 - 165), at / 165)
+    assert low <= high
+    c0, c1 = fitter.floor_line() or (math.nan, math.nan)
+    assert c1 == pytest.approx(min(max(chord, low), high), rel=1e-12)
+    assert c0 + 165 * c1 == pytest.approx(at, rel=1e-12)
+    assert c0 >= 0
+    assert all(c0 + c1 * batch <= median * (1 + 1e-12) for batch, median in medians.items())
+
+
 def test_batch_sizes_close_together_make_no_cpu_floor() -> None:
     """A bench_real run: the half-core worker's warm-up at 160 samples and its plan's 159,
     medians 20.4 and 19.2 ms, made a chord of 1.2 ms per sample. Two sizes within a factor
-    of 2 make none; with its CPU at 0 samples the chord runs from there (reference: the
-    line through the two medians), and sizes a factor of 2 apart make one."""
+    of 2 make none; with its CPU at 0 samples the line runs from there with the chord's
+    slope (reference: the line through the two medians), lowered to the level in use
+    (159, measured 30 times, which the chord ran 6% over), and sizes a factor of 2 apart
+    make one."""
     fitter = CpuFitter()
     for value in (0.0204, 0.0199, 0.0215):
         fitter.add(160, value, remember=True)
@@ -886,8 +918,9 @@ def test_batch_sizes_close_together_make_no_cpu_floor() -> None:
         fitter.add(0, 0.0058 + 0.0001 * step)
     medians = fitter.level_medians()
     c0, c1 = fitter.floor_line() or (math.nan, math.nan)
-    assert c0 == pytest.approx(medians[0], rel=1e-12)
-    assert c0 + 160 * c1 == pytest.approx(medians[160], rel=1e-12)
+    assert c1 == pytest.approx((medians[160] - medians[0]) / 160, rel=1e-12)
+    assert c0 + 159 * c1 == pytest.approx(medians[159], rel=1e-12)
+    assert all(c0 + c1 * batch <= median * (1 + 1e-12) for batch, median in medians.items())
     assert c1 < 0.0001
     apart = CpuFitter()
     for batch, value in ((80, 0.012), (160, 0.020)):
@@ -920,8 +953,12 @@ def test_a_few_early_steps_reading_high_do_not_lift_the_cpu_floor() -> None:
         sizes, medians, sample_weight=[len(measured[b]) for b in sizes]).predict(sizes)
     assert medians[1] > medians[2]  # the warm-up's level reads high: it is pooled
     c0, c1 = fitter.floor_line() or (math.nan, math.nan)
-    assert c0 + 160 * c1 == pytest.approx(reference[1], rel=1e-9)
-    assert c0 + 388 * c1 == pytest.approx(reference[-1], rel=1e-9)
+    # the chord's slope, through the pooled level at the size in use (177: 9 steps, the
+    # latest), which the chord from 160 ran over by its slope times 17
+    assert c1 == pytest.approx((reference[-1] - reference[1]) / (388 - 160), rel=1e-9)
+    assert c0 + 177 * c1 == pytest.approx(reference[3], rel=1e-9)
+    assert all(c0 + c1 * b <= level + 1e-12 for b, level in zip(sizes[1:], reference[1:],
+                                                                 strict=True))
     assert c0 + 160 * c1 < medians[1] - 0.001
     assert fitter.idle() == pytest.approx(reference[0], rel=1e-9)
 
