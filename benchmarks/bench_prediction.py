@@ -1,8 +1,9 @@
 """Cannikin's predictions on CPU-quota workers over a long run, judged by the wall clock.
 
 The setting of ``bench_real.py`` (three gloo workers on quotas 1, 0.5 and 0.25 of a core,
-MLP 64-1024-1024-10 on the digits, B = 480), Cannikin alone, no emulation. Each run trains a
-fresh model for ``--steps`` steps, then pins three splits in turn.
+MLP 64-1024-1024-10 on the digits, or ``--model transformer``, B = 480), Cannikin alone, no
+emulation. Each run trains a fresh model for ``--steps`` steps, then pins three splits in
+turn.
 
 * **Windows.** Every plan is a prediction made before its steps ran: the plan's predicted
   step against the mean of the steps it held, timed on rank 0 from one optimizer step's end
@@ -50,8 +51,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_real import (  # noqa: E402
+    MODELS,
     SHARES,
     TOTAL,
+    add_model_option,
     add_period_option,
     cannikin,
     digits,
@@ -65,7 +68,8 @@ MIN_WINDOW_STEPS = 3
 """Fewer timed steps than this in a window make no window (a mean of noise)."""
 
 
-def _worker(out: Path, runs: int, steps: int, rounds: int, block_steps: int) -> None:
+def _worker(out: Path, runs: int, steps: int, rounds: int, block_steps: int,
+            network: str) -> None:
     import os
 
     import torch
@@ -80,7 +84,7 @@ def _worker(out: Path, runs: int, steps: int, rounds: int, block_steps: int) -> 
     world = init_distributed("gloo").world_size
 
     def run() -> dict[str, Any]:
-        hdp, step = cannikin(x_all, y_all)
+        hdp, step = cannikin(x_all, y_all, model=network)
         ends, held = [], []
         dist.barrier()
         for _ in range(steps):
@@ -176,10 +180,10 @@ def away_errors(pinned: dict[str, Any]) -> dict[str, tuple[float, float]]:
 
 
 def _report(results: list[dict[str, Any]], steps: int, block_steps: int,
-            period_ms: float) -> None:
+            period_ms: float, model: str) -> None:
     print(f"bench_prediction: {len(SHARES)} gloo workers on CPU quotas "
           f"{', '.join(f'{s:g}' for s in SHARES)} ({period_ms:g} ms period), "
-          f"MLP 64-1024-1024-10, B = {TOTAL}; "
+          f"{MODELS[model]}, B = {TOTAL}; "
           f"{len(results)} runs of {steps} free steps, then pinned blocks of {block_steps}")
     settled_all: list[dict[str, Any]] = []
     tracked_all: list[float] = []
@@ -279,21 +283,23 @@ def main() -> int:
     parser.add_argument("--block-steps", type=int, default=8, help="timed steps per block")
     parser.add_argument("--json", type=Path, help="also write the runs' raw timings here")
     add_period_option(parser)
+    add_model_option(parser)
     args = parser.parse_args()
     for name, least in (("runs", 1), ("steps", 50), ("rounds", 1), ("block_steps", 1)):
         if getattr(args, name) < least:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
     if args.worker is not None:
-        _worker(args.worker, args.runs, args.steps, args.rounds, args.block_steps)
+        _worker(args.worker, args.runs, args.steps, args.rounds, args.block_steps,
+                args.model)
         return 0
     result = launch_on_quotas(Path(__file__), [
         "--runs", str(args.runs), "--steps", str(args.steps), "--rounds", str(args.rounds),
-        "--block-steps", str(args.block_steps)], args.period_ms)
+        "--block-steps", str(args.block_steps), "--model", args.model], args.period_ms)
     if isinstance(result, int):
         return result
     if args.json is not None:
         args.json.write_text(json.dumps(result))
-    _report(result["runs"], args.steps, args.block_steps, args.period_ms)
+    _report(result["runs"], args.steps, args.block_steps, args.period_ms, args.model)
     return 0
 
 

@@ -2,10 +2,11 @@
 
 Three gloo workers in cgroups limited to 1, 0.5 and 0.25 of a core (10 ms CFS period unless
 ``--period-ms`` says otherwise, see ``cannikin.runtime.quota``) train an MLP 64-1024-1024-10
-on scikit-learn's digits with a total batch B = 480. In one run, in interleaved blocks of
-steps (every round visits every configuration, in a rotated order, so the load of a shared
-machine hits all alike; each block starts with one untimed step of its own, so that none is
-timed on the previous one's caches):
+(or, with ``--model transformer``, a two-layer transformer encoder that reads a digit's 8
+rows as 8 tokens) on scikit-learn's digits with a total batch B = 480. In one run, in
+interleaved blocks of steps (every round visits every configuration, in a rotated order, so
+the load of a shared machine hits all alike; each block starts with one untimed step of its
+own, so that none is timed on the previous one's caches):
 
 * plain torch DDP at the even split;
 * Cannikin (HeteroDataParallel, split "optimal"), after a warm-up in which it learns the
@@ -88,6 +89,11 @@ SHARES = (1.0, 0.5, 0.25)
 TOTAL = 480
 WIDTH = 1024
 LR = 0.05
+MODELS = {"mlp": f"MLP 64-{WIDTH}-{WIDTH}-10",
+          "transformer": "transformer encoder (2 layers, width 64, 4 heads; a digit's 8 rows "
+                         "as 8 tokens)"}
+"""The networks ``--model`` names: the MLP, and one whose CPU per sample grows with the
+batch and whose many small parameters make many small buckets' worth of hooks."""
 PLAIN_BACKWARD = "Cannikin held, loss.backward()"
 """Cannikin held at its split with the weight applied by the hook, not the backward's seed."""
 HOOKED_EVEN = "Cannikin held even, hook_free=False"
@@ -108,44 +114,64 @@ def digits() -> tuple[Any, Any]:
     return x_all[: 3 * TOTAL], y_all[: 3 * TOTAL]
 
 
-def mlp() -> Any:
-    """The MLP 64-WIDTH-WIDTH-10, the same initial weights on every rank and call."""
+def network(model: str = "mlp") -> Any:
+    """The network ``model`` (a :data:`MODELS` name), the same initial weights on every
+    rank and call."""
     import torch
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
-                         nn.ReLU(), nn.Linear(WIDTH, 10))
+    if model == "mlp":
+        return nn.Sequential(nn.Linear(64, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH),
+                             nn.ReLU(), nn.Linear(WIDTH, 10))
+    if model != "transformer":
+        raise ValueError(f"model {model!r}: one of {sorted(MODELS)}")
+
+    class DigitTransformer(nn.Module):
+        """A digit's 8 rows of 8 pixels as 8 tokens, two encoder layers, mean-pooled."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, 64)
+            layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(self.embed(x.view(-1, 8, 8))).mean(dim=1))
+
+    return DigitTransformer()
 
 
-def cannikin(x_all: Any, y_all: Any, hook_free: bool = True) -> tuple[Any, Callable[..., None]]:
-    """A fresh Cannikin (split "optimal", the workers' real speeds) on ``x_all, y_all``
-    and its training step, epoch after epoch; ``step(seeded=False)`` backs the loss up
-    with a plain ``loss.backward()`` instead of ``model.backward(loss)``."""
+def cannikin(x_all: Any, y_all: Any, hook_free: bool = True,
+             model: str = "mlp") -> tuple[Any, Callable[..., None]]:
+    """A fresh Cannikin (split "optimal", the workers' real speeds) training ``model`` on
+    ``x_all, y_all`` and its training step, epoch after epoch; ``step(seeded=False)`` backs
+    the loss up with a plain ``loss.backward()`` instead of ``model.backward(loss)``."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
 
     from cannikin.runtime import HeteroDataLoader, HeteroDataParallel
 
-    net = mlp()
+    net = network(model)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     loader = HeteroDataLoader(TensorDataset(x_all, y_all), batch_size=TOTAL, seed=0)
-    model = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None,
-                               hook_free=hook_free)
+    wrapped = HeteroDataParallel(net, opt, loader, split="optimal", slowdown=None,
+                                 hook_free=hook_free)
     batches = (batch for _ in range(100_000) for batch in loader)
 
     def step(seeded: bool = True) -> None:
         x, y = next(batches)
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(wrapped(x), y)
         if seeded:
-            model.backward(loss)
+            wrapped.backward(loss)
         else:
             loss.backward()
         opt.step()
 
-    return model, step
+    return wrapped, step
 
 
 def even_split(world: int) -> tuple[int, ...]:
@@ -153,15 +179,16 @@ def even_split(world: int) -> tuple[int, ...]:
     return tuple(TOTAL // world + (r < TOTAL % world) for r in range(world))
 
 
-def plain_ddp(x_all: Any, y_all: Any, rank: int, world: int) -> Callable[[tuple[int, ...]], None]:
-    """A fresh plain torch DDP model's training step at a given split: rank i takes b_i of
+def plain_ddp(x_all: Any, y_all: Any, rank: int, world: int,
+              model: str = "mlp") -> Callable[[tuple[int, ...]], None]:
+    """A fresh plain torch DDP ``model``'s training step at a given split: rank i takes b_i of
     each step's B samples (in a fixed shuffled order) and scales its summed loss by n / B,
     the exact mean gradient for any fixed split."""
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    net = mlp()
+    net = network(model)
     ddp = DistributedDataParallel(net)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     order = torch.randperm(len(y_all), generator=torch.Generator().manual_seed(0))
@@ -180,7 +207,7 @@ def plain_ddp(x_all: Any, y_all: Any, rank: int, world: int) -> Callable[[tuple[
 
 
 def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
-            sweep: bool) -> None:
+            sweep: bool, model: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -196,7 +223,7 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
     world = ctx.world_size
 
     # -- the workers' real speeds: the same compute on every rank at once ---------------------
-    alone = mlp()
+    alone = network(model)
     xs, ys = x_all[: TOTAL // world], y_all[: TOTAL // world]
     F.cross_entropy(alone(xs), ys).backward()  # warm the allocator
     dist.barrier()
@@ -205,10 +232,10 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
         F.cross_entropy(alone(xs), ys).backward()
     compute_s = (time.perf_counter() - start) / 8
 
-    ddp_step = plain_ddp(x_all, y_all, rank, world)
+    ddp_step = plain_ddp(x_all, y_all, rank, world, model)
 
     # -- Cannikin ------------------------------------------------------------------------------
-    hdp, free_step = cannikin(x_all, y_all)
+    hdp, free_step = cannikin(x_all, y_all, model=model)
     predicted: list[float] = []
 
     def hdp_step() -> None:
@@ -236,11 +263,11 @@ def _worker(out: Path, rounds: int, block_steps: int, warmup_steps: int,
     ddp_step(even)  # DDP's first steps rebuild its buckets: not timed
     ddp_step(even)
 
-    held, held_step = cannikin(x_all, y_all)
+    held, held_step = cannikin(x_all, y_all, model=model)
 
     away = two_x_away(cannikin_split)
     held.pin_split(cannikin_split)
-    resident = {name: cannikin(x_all, y_all, hook_free=name != HOOKED_EVEN)
+    resident = {name: cannikin(x_all, y_all, hook_free=name != HOOKED_EVEN, model=model)
                 for name in ("Cannikin held even", HOOKED_EVEN)}  # pinned even throughout
     for wrapped, _ in resident.values():
         wrapped.pin_split(even)
@@ -361,12 +388,11 @@ def _loadavg() -> str:
 
 
 def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after: str,
-            period_ms: float) -> None:
+            period_ms: float, model: str) -> None:
     shares, compute = result["shares"], result["compute_s"]
     print(f"bench_real: {result['world']} gloo workers on CPU quotas "
           f"{', '.join(f'{s:g}' for s in shares)} of a core ({period_ms:g} ms "
-          f"period), MLP 64-{WIDTH}-"
-          f"{WIDTH}-10 on digits, B = {TOTAL}")
+          f"period), {MODELS[model]} on digits, B = {TOTAL}")
     print(f"load average before {load_before}, after {load_after}; wall time {wall_s:.0f} s")
     fastest = min(compute)
     print(f"measured speeds (forward+backward of {TOTAL // len(compute)} samples, every worker "
@@ -523,22 +549,34 @@ def main() -> int:
                              "the overhead ratios' intervals to resolve the 3-5%% targets "
                              "(--rounds 60 --block-steps 8: ~5 min here)")
     add_period_option(parser)
+    add_model_option(parser)
     args = parser.parse_args()
     for name, least in (("rounds", 2), ("block_steps", 1), ("warmup_steps", 1)):
         if getattr(args, name) < least:  # the IQRs over rounds need two
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= {least}")
     if args.worker is not None:
-        _worker(args.worker, args.rounds, args.block_steps, args.warmup_steps, args.sweep)
+        _worker(args.worker, args.rounds, args.block_steps, args.warmup_steps, args.sweep,
+                args.model)
         return 0
     load_before = _loadavg()
     start = time.monotonic()
     result = launch_on_quotas(Path(__file__), [
         "--rounds", str(args.rounds), "--block-steps", str(args.block_steps), "--warmup-steps",
-        str(args.warmup_steps), *([] if args.sweep else ["--no-sweep"])], args.period_ms)
+        str(args.warmup_steps), "--model", args.model,
+        *([] if args.sweep else ["--no-sweep"])], args.period_ms)
     if isinstance(result, int):
         return result
-    _report(result, time.monotonic() - start, load_before, _loadavg(), args.period_ms)
+    _report(result, time.monotonic() - start, load_before, _loadavg(), args.period_ms,
+            args.model)
     return 0
+
+
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    """``--model``: the network the workers train (:data:`MODELS`)."""
+    parser.add_argument(
+        "--model", choices=sorted(MODELS), default="mlp",
+        help="the network (default %(default)s); transformer: a small encoder whose CPU "
+             "per sample grows with the batch, with many small parameters")
 
 
 def add_period_option(parser: argparse.ArgumentParser) -> None:

@@ -89,7 +89,8 @@ def test_the_report_prints_the_windows_and_the_model_away_from_its_split(
                       "even": {"split": [1, 1, 1], "predicted": 0.11, "blocks": [0.1],
                                "parts": parts}},
            "cpu_levels": [[[0.0, 0.01], [1.0, 0.02]], [], []], "tracked": [-0.1, 0.05, 0.03]}
-    load_benchmark("bench_prediction")._report([run], steps=60, block_steps=8, period_ms=10)
+    load_benchmark("bench_prediction")._report([run], steps=60, block_steps=8, period_ms=10,
+                                               model="mlp")
     out = capsys.readouterr().out
     assert "CPU quotas 1, 0.5, 0.25 (10 ms period)" in out
     assert "window error once settled: median |error| 10.0% over 1 windows" in out
