@@ -32,16 +32,20 @@ def test_hung_peer_fails_training_with_timeout_naming_rank(hang_step: int, idle:
     assert GLOO_TIMEOUT.search(output), "the failure was not the process group's timeout"
 
 
-@pytest.mark.parametrize(("skip", "went_on_to"), [("continue", "the next step"),
-                                                ("step", "its optimizer step")])
-def test_an_idle_rank_that_skips_its_backward_fails_naming_why(skip: str,
+@pytest.mark.parametrize(("skip", "samples", "went_on_to"),
+                         [("continue", 200, "the next step"),
+                          ("step", 200, "its optimizer step"),
+                          ("continue", 20, "the end of its epoch")])
+def test_an_idle_rank_that_skips_its_backward_fails_naming_why(skip: str, samples: int,
                                                                went_on_to: str) -> None:
     """A script that skips the backward on a non-finite local loss skips it on a rank
-    planned 0 samples alone (its mean loss is NaN): that rank raises, at its next step or
-    at the optimizer step it still takes, naming the cause and the ways out, instead of
-    its peer waiting for it in the all-reduce."""
+    planned 0 samples alone (its mean loss is NaN): that rank raises, at its next step, at
+    the optimizer step it still takes, or at the end of its epoch where that step was the
+    last (20 samples: one step), naming the cause and the ways out, instead of its peer
+    waiting for it in the all-reduce."""
     result = run_torchrun(WORKERS / "hang_worker.py", nproc=2,
-                          script_args=["--timeout", "60", "--skip-nonfinite", skip],
+                          script_args=["--timeout", "60", "--skip-nonfinite", skip,
+                                       "--samples", str(samples)],
                           timeout_s=50, env={"CANNIKIN_SLOWDOWN": ""})
     assert not result.timed_out, "the job waited instead of failing at the skipped backward"
     assert result.returncode != 0

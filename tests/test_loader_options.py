@@ -73,6 +73,9 @@ class Replanning(OnePass):
     def abandon_step(self) -> bool:
         return False
 
+    def end_epoch(self) -> None:
+        """Nothing to check."""
+
     def replan(self, step: int) -> None:
         if step % 2:  # every other step: half the prefetches miss
             self.plans += 1

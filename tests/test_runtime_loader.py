@@ -39,6 +39,9 @@ class Scripted(OnePass):
         peeked, self.peeked = self.peeked, False
         return peeked
 
+    def end_epoch(self) -> None:
+        """Nothing to check."""
+
 
 class Pairs(Dataset[tuple[torch.Tensor, int]]):
     """A map-style dataset without batched access (the generic collate path)."""
@@ -253,6 +256,9 @@ class Settable(OnePass):
 
     def abandon_step(self) -> bool:
         return False
+
+    def end_epoch(self) -> None:
+        """Nothing to check."""
 
 
 def test_len_counts_the_steps_taken_at_another_total_batch() -> None:

@@ -24,11 +24,14 @@ def main() -> None:
     parser.add_argument("--hang-step", type=int, default=3)
     parser.add_argument("--idle", action="store_true")
     parser.add_argument("--skip-nonfinite", choices=("continue", "step"))
+    parser.add_argument("--samples", type=int, default=200,
+                        help="20 makes the first step its epoch's last")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=args.timeout)
     setup_logging(ctx.rank)
-    data = TensorDataset(torch.randn(200, 4), torch.zeros(200, dtype=torch.long))
+    data = TensorDataset(torch.randn(args.samples, 4), torch.zeros(args.samples,
+                                                                   dtype=torch.long))
     net = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     loader = HeteroDataLoader(data, batch_size=20)

@@ -52,6 +52,10 @@ class StepController(Protocol):
         was one."""
         ...
 
+    def end_epoch(self) -> None:
+        """The iteration handed out its epoch's last step, and the loop asks for another."""
+        ...
+
     @property
     def step(self) -> int | None:
         """Optimizer steps taken through the loader (None: not watched)."""
@@ -93,6 +97,9 @@ class _EvenSplit(OnePass):
     def abandon_step(self) -> bool:
         """Without a training step to watch, every step counts as taken."""
         return False
+
+    def end_epoch(self) -> None:
+        """Nothing to check."""
 
     @property
     def step(self) -> int | None:
@@ -311,6 +318,7 @@ class HeteroDataLoader:
             self.step_split = tuple(split)
             self.controller.begin_step(tuple(split))
             yield indices
+        self.controller.end_epoch()
         self.sampler.new_epoch()
         self._live = None
 

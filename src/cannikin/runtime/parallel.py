@@ -815,15 +815,20 @@ class HeteroDataParallel(nn.Module):
         self._after_forward(out)
         return out
 
+    def end_epoch(self) -> None:
+        """The loader's epoch ends: a rank planned 0 samples that skipped the backward of
+        its last step would leave the loop while the others wait for its gradient."""
+        self._refuse_skipped_idle_backward("the end of its epoch")
+
     def _refuse_skipped_idle_backward(self, went_on_to: str) -> None:
         """A rank planned 0 samples that trained a forward of its step and went on to
-        ``went_on_to`` (the next step, or its optimizer step) without a backward raises,
-        naming the cause: the others wait in the step's all-reduce for its gradient, and
-        would wait until the collective timeout (or fail when it leaves) with an error
-        that says nothing of why. Its mean loss is NaN (the mean of nothing), so a script
-        that skips the backward on a non-finite local loss, or on an empty batch, skips
-        it on this rank alone; under DDP no rank had an empty batch, and the same script
-        ran."""
+        ``went_on_to`` (the next step, its optimizer step, or the end of its epoch) without
+        a backward raises, naming the cause: the others wait in the step's all-reduce for
+        its gradient, and would wait until the collective timeout (or fail when it leaves)
+        with an error that says nothing of why. Its mean loss is NaN (the mean of
+        nothing), so a script that skips the backward on a non-finite local loss, or on
+        an empty batch, skips it on this rank alone; under DDP no rank had an empty
+        batch, and the same script ran."""
         cycle = self._cycle
         split = cycle.split
         if not (cycle.stepping and cycle.trained_forward and not self.comm.backwards
