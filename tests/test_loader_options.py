@@ -159,6 +159,46 @@ def test_worker_processes_draw_different_augmentations() -> None:
         assert not set(values) & set(other[rng]), rng  # another seed: other draws
 
 
+def test_a_chunk_draws_its_augmentations_whichever_process_loads_it() -> None:
+    """A chunk goes to whichever loading process is free first. Loaded again in the same
+    epoch (a resumed run, a rewound step), the same samples draw the same augmentations,
+    though each process's generators moved on in between and another may take them; in
+    another epoch, other ones. Reference: the first load."""
+    torch.manual_seed(0)
+    fetcher = make_fetcher(Augmented(), default_collate, num_workers=3, pin_memory=False)
+    indices = np.arange(40, 100)
+    try:
+        first = fetcher.fetch(indices, epoch=2)
+        fetcher.fetch(np.arange(0, 40), epoch=2)  # the processes draw on
+        again = fetcher.fetch(indices, epoch=2)
+        later = fetcher.fetch(indices, epoch=3)
+    finally:
+        fetcher.close()
+    assert first["id"].tolist() == again["id"].tolist() == list(range(40, 100))
+    for rng in ("torch", "numpy", "python"):
+        assert torch.equal(torch.as_tensor(first[rng]), torch.as_tensor(again[rng])), rng
+        assert not set(torch.as_tensor(first[rng]).tolist()) & set(
+            torch.as_tensor(later[rng]).tolist()), rng
+
+
+def test_the_same_seed_loads_the_same_augmented_epochs() -> None:
+    """Two runs of a loader with loading processes, the same torch seed: the same samples
+    with the same augmentations, step by step, over two epochs (a DataLoader's workers
+    draw alike in every run too)."""
+    def run() -> list[dict[str, Any]]:
+        torch.manual_seed(5)
+        loader = HeteroDataLoader(Augmented(), batch_size=60, seed=0, num_workers=3)
+        try:
+            return [batch for _ in range(2) for batch in loader]
+        finally:
+            loader.close()
+    first, second = run(), run()
+    assert len(first) == len(second) == 8
+    for one, other in zip(first, second, strict=True):
+        for key in ("id", "torch", "numpy", "python"):
+            assert torch.equal(torch.as_tensor(one[key]), torch.as_tensor(other[key])), key
+
+
 class Marked(Dataset[dict[str, Any]]):
     """Each sample with the number its loading process's ``worker_init_fn`` was given."""
 

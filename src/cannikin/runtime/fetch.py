@@ -10,6 +10,13 @@ so it can never change which samples a step gets.
 With the default collate function each worker collates its chunk and the chunks are
 concatenated (the same batch as collating all samples at once); a custom ``collate_fn``
 (one that pads to the longest sample, say) gets all the step's samples in this process.
+
+A chunk goes to whichever process is free first, so a process's random number generators
+would draw a chunk's augmentations from wherever its stream stood: another order of
+processes, another augmentation, from run to run. Each chunk is loaded from generators
+seeded by the base seed, the epoch and the chunk's first sample (each sample is in one
+chunk an epoch), as a DataLoader's round-robin workers draw alike in every run: the same
+run draws the same augmentations, and a resumed run those of the steps it resumes.
 """
 
 from __future__ import annotations
@@ -106,8 +113,10 @@ class LocalFetcher:
     def __init__(self, dataset: Dataset[Any], collate_fn: Collate, pin_memory: bool) -> None:
         self.dataset, self.collate_fn, self.pin_memory = dataset, collate_fn, pin_memory
 
-    def fetch(self, indices: IndexArray, upcoming: IndexArray | None = None) -> Batch:
-        """The batch of ``indices`` (``upcoming``: the next step's, ignored here)."""
+    def fetch(self, indices: IndexArray, upcoming: IndexArray | None = None,
+              epoch: int = 0) -> Batch:
+        """The batch of ``indices`` (``upcoming``: the next step's, and ``epoch``, both
+        ignored here: this process's generators draw in the step's order)."""
         batch = self._load(indices)
         return pinned(batch) if self.pin_memory else batch
 
@@ -143,10 +152,7 @@ def _init_worker(dataset: Dataset[Any], collate_fn: Collate | None, base_seed: i
         number = started.value
         started.value += 1
     seed = base_seed + number
-    random.seed(seed)
-    torch.manual_seed(seed)
-    # the global RNG is the one a transform's np.random calls draw from
-    np.random.seed(np.random.SeedSequence([number, base_seed]).generate_state(4))  # noqa: NPY002
+    _seed_generators(seed)
     # what DataLoader's worker loop sets, and get_worker_info() returns
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=number, num_workers=num_workers, seed=seed, dataset=dataset)
@@ -155,8 +161,25 @@ def _init_worker(dataset: Dataset[Any], collate_fn: Collate | None, base_seed: i
         worker_init_fn(number)
 
 
-def _load_chunk(indices: list[int]) -> Batch:
-    """In a worker: the samples of ``indices``, collated there if it was given a collate."""
+def _seed_generators(seed: int) -> None:
+    """Seed Python's, torch's and numpy's global generators (numpy's is the one a
+    transform's ``np.random`` calls draw from)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(np.random.SeedSequence(seed).generate_state(4))  # noqa: NPY002
+
+
+def chunk_seed(base_seed: int, epoch: int, first: int) -> int:
+    """The seed a chunk is loaded with: of the loader's base seed, the epoch and the
+    chunk's first sample (module docstring)."""
+    return int(np.random.SeedSequence([base_seed, epoch, first]).generate_state(
+        1, dtype=np.uint64)[0])
+
+
+def _load_chunk(indices: list[int], seed: int) -> Batch:
+    """In a worker: the samples of ``indices``, collated there if it was given a collate,
+    drawn from generators seeded with ``seed``."""
+    _seed_generators(seed)
     samples = _samples(_WORKER_STATE["dataset"], indices)
     collate = _WORKER_STATE["collate_fn"]
     return samples if collate is None else collate(samples)
@@ -177,38 +200,41 @@ class ProcessFetcher(LocalFetcher):
         method = "fork" if "fork" in torch_mp.get_all_start_methods() else "spawn"
         context = torch_mp.get_context(method)
         # DataLoader's base seed: a draw of this process's torch RNG
-        base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        self._base_seed = int(torch.empty((), dtype=torch.int64).random_().item())
         self._pool = ProcessPoolExecutor(
             max_workers=num_workers, mp_context=context, initializer=_init_worker,
             initargs=(dataset, default_collate if self._collate_in_worker else None,
-                      base_seed, context.Value("i", 0), num_workers, worker_init_fn))
-        self._ahead: tuple[IndexArray, list[Future[Batch]]] | None = None
+                      self._base_seed, context.Value("i", 0), num_workers, worker_init_fn))
+        self._ahead: tuple[int, IndexArray, list[Future[Batch]]] | None = None
         self._closed = False
 
-    def fetch(self, indices: IndexArray, upcoming: IndexArray | None = None) -> Batch:
-        """The batch of ``indices``; then starts loading ``upcoming`` (the next step's as the
-        plan stands) while this step trains."""
+    def fetch(self, indices: IndexArray, upcoming: IndexArray | None = None,
+              epoch: int = 0) -> Batch:
+        """The batch of ``indices`` of epoch ``epoch``; then starts loading ``upcoming``
+        (the next step's as the plan stands) while this step trains."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and np.array_equal(ahead[0], indices):
-            futures = ahead[1]
+        if ahead is not None and ahead[0] == epoch and np.array_equal(ahead[1], indices):
+            futures = ahead[2]
         else:
             if ahead is not None:
-                for future in ahead[1]:
+                for future in ahead[2]:
                     future.cancel()
-            futures = self._submit(indices)
+            futures = self._submit(indices, epoch)
         batch = self._join(indices, [future.result() for future in futures])
         if upcoming is not None and upcoming.size:
-            self._ahead = (upcoming, self._submit(upcoming))
+            self._ahead = (epoch, upcoming, self._submit(upcoming, epoch))
         return pinned(batch) if self.pin_memory else batch
 
-    def _submit(self, indices: IndexArray) -> list[Future[Batch]]:
+    def _submit(self, indices: IndexArray, epoch: int) -> list[Future[Batch]]:
         if self._closed:
             raise RuntimeError("this HeteroDataLoader was closed: its loading processes are "
                                "gone; make a new loader to iterate again")
         if indices.size == 0:
             return []
         chunks = np.array_split(indices, min(self.num_workers, indices.size))
-        return [self._pool.submit(_load_chunk, chunk.tolist()) for chunk in chunks]
+        return [self._pool.submit(_load_chunk, chunk.tolist(),
+                                  chunk_seed(self._base_seed, epoch, int(chunk[0])))
+                for chunk in chunks]
 
     def _join(self, indices: IndexArray, parts: list[Batch]) -> Batch:
         if not parts:

@@ -148,7 +148,10 @@ class HeteroDataLoader:
     ``num_workers`` processes load the samples, the next step's while this one trains
     (:mod:`cannikin.runtime.fetch`; a TensorDataset is always indexed in this process);
     ``pin_memory`` and ``worker_init_fn`` (called with the process's number in each, after
-    it is seeded as a DataLoader worker is, ``get_worker_info()`` set) as DataLoader's.
+    it is seeded as a DataLoader worker is, ``get_worker_info()`` set) as DataLoader's;
+    each chunk of a step is loaded from the global generators seeded by the epoch and its
+    first sample, so that the same run draws the same augmentations whichever process
+    takes which chunk (a generator of the dataset's own is not reseeded).
     ``rank`` and ``world_size`` each default to the default process group's (or 0 and 1
     without one); HeteroDataParallel sets them when it attaches.
     """
@@ -271,7 +274,7 @@ class HeteroDataLoader:
                 "step after the inner loop")
         for indices in self._step_indices():
             yield self.fetcher.fetch(indices, self._upcoming() if self.fetcher.prefetches
-                                     else None)
+                                     else None, self.epoch)
 
     def steps(self) -> Iterator[Iterator[Batch]]:
         """One item per step, the same number on every rank; iterating it yields this
@@ -292,7 +295,7 @@ class HeteroDataLoader:
             if self.fetcher.prefetches:
                 upcoming = (indices[end:end + sizes[j + 1]] if j + 1 < len(sizes)
                             else self._upcoming(first_pass=True))
-            yield self.fetcher.fetch(indices[end - size:end], upcoming)
+            yield self.fetcher.fetch(indices[end - size:end], upcoming, self.epoch)
 
     def _step_indices(self) -> Iterator[IndexArray]:
         """Each step's indices of this rank, after the step is handed to the controller."""
