@@ -93,7 +93,7 @@ MODELS = {"mlp": f"MLP 64-{WIDTH}-{WIDTH}-10",
           "transformer": "transformer encoder (2 layers, width 64, 4 heads; a digit's 8 rows "
                          "as 8 tokens)"}
 """The networks ``--model`` names: the MLP, and one whose CPU per sample grows with the
-batch and whose many small parameters make many small buckets' worth of hooks."""
+batch, with 28 parameter tensors where the MLP has 6."""
 PLAIN_BACKWARD = "Cannikin held, loss.backward()"
 """Cannikin held at its split with the weight applied by the hook, not the backward's seed."""
 HOOKED_EVEN = "Cannikin held even, hook_free=False"
