@@ -1266,14 +1266,17 @@ class CpuFitter:
             level.append(float(cpu_s))
         return True
 
+    def _spanned(self) -> list[tuple[float, float]]:
+        """The window's ``(batch, cpu_s)`` of its last ``span`` steps, oldest first."""
+        latest = self._recent[-1][0] if self._recent else 0
+        return [(batch, cpu) for step, batch, cpu in self._recent if step > latest - self.span]
+
     def _levels(self) -> dict[float, list[float]]:
         """The measurements at each batch size measured at least ``min_samples`` times:
         the window's within its span, and the remembered sizes it does not hold enough of."""
         by_size: dict[float, list[float]] = {}
-        latest = self._recent[-1][0] if self._recent else 0
-        for step, batch, cpu in self._recent:
-            if step > latest - self.span:
-                by_size.setdefault(batch, []).append(cpu)
+        for batch, cpu in self._spanned():
+            by_size.setdefault(batch, []).append(cpu)
         levels = {b: v for b, v in by_size.items() if len(v) >= self.min_samples}
         for batch, level in self._remembered.items():
             if batch not in levels and len(level) >= self.min_samples:
@@ -1330,9 +1333,7 @@ class CpuFitter:
     def in_use(self) -> tuple[float, int] | None:
         """The busy batch size measured most often in the window's last ``span`` steps (the
         latest among equals) and how often: the split in use; None before one."""
-        latest = self._recent[-1][0] if self._recent else 0
-        counts = Counter(batch for step, batch, _ in reversed(self._recent)
-                         if batch > 0 and step > latest - self.span)
+        counts = Counter(batch for batch, _ in reversed(self._spanned()) if batch > 0)
         return counts.most_common(1)[0] if counts else None
 
     def idle(self) -> float | None:
