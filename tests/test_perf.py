@@ -1025,3 +1025,20 @@ def test_cpu_fitter_levels_need_samples_and_keep_their_ends() -> None:
     assert fitter.idle() == pytest.approx(0.01)
     with pytest.raises(ValueError, match="levels=1"):
         CpuFitter(levels=1)
+
+
+def test_what_a_cpu_fitter_reads_follows_every_measurement() -> None:
+    # its levels are read once per measurement and kept: each read after a new one must
+    # equal a fresh fitter's, fed the same measurements, read only then
+    rng = np.random.default_rng(4)
+    fitter, added = CpuFitter(window=16, min_samples=2), []
+    for step in range(60):
+        batch = (0, 40, 80, 160)[step % 4] if step < 30 else 80
+        sample = (float(batch), 0.01 + 0.0001 * batch * float(np.exp(0.1 * rng.normal())))
+        fitter.add(*sample, remember=step < 8)
+        added.append((*sample, step < 8))
+        fresh = CpuFitter(window=16, min_samples=2)
+        for batch_s, cpu_s, remember in added:
+            fresh.add(batch_s, cpu_s, remember=remember)
+        for name in ("floor_line", "level_medians", "idle", "noise", "in_use"):
+            assert getattr(fitter, name)() == getattr(fresh, name)(), (step, name)
