@@ -42,3 +42,35 @@ def test_a_period_whose_quotas_the_kernel_refuses_is_named(
         pytest.skip(err.strip())
     assert "bench_real: --period-ms 2: CPU share 0.25 of rank 2 is below" in err
     assert "give at least 0.5 cores" in err
+
+
+def test_the_best_split_chosen_on_other_rounds_is_not_biased_by_its_own_noise() -> None:
+    """Monte Carlo: Cannikin and 14 plain DDP splits all of the same true step, each round's
+    blocks sharing the machine's load and each block noisy by itself (10% log-normal, as on
+    quota workers). Against the split chosen on the same rounds the median ratio runs over
+    1 (the least of 14 noisy medians), against the one chosen on the other half it does not."""
+    bench_real = load_benchmark("bench_real")
+    rng = np.random.default_rng(2)
+    in_sample, held_out = [], []
+    for _ in range(150):
+        load = np.exp(rng.normal(0.0, 0.2, 20))
+        blocks = {name: list(0.045 * load * np.exp(rng.normal(0.0, 0.1, 20)))
+                  for name in ["Cannikin", *(f"DDP {k}" for k in range(14))]}
+        in_sample.append(bench_real._paired_ratio(blocks, "Cannikin", None, resamples=10).median)
+        got, chosen = bench_real._held_out_best_ratio(blocks, "Cannikin", resamples=10)
+        held_out.append(got.median)
+        assert all(name.startswith("DDP ") for name in chosen)
+    assert float(np.mean(in_sample)) > 1.02
+    assert abs(float(np.mean(held_out)) - 1.0) < 0.01
+
+
+def test_the_held_out_ratio_is_taken_against_each_half_s_choice() -> None:
+    # DDP a is best on the even rounds, DDP b on the odd: each half is measured against the
+    # other's choice.
+    blocks = {"Cannikin": [1.0, 1.2, 0.9, 1.1], "DDP a": [0.5, 2.0, 0.5, 2.0],
+              "DDP b": [2.0, 0.8, 2.0, 0.8]}
+    got, chosen = load_benchmark("bench_real")._held_out_best_ratio(blocks, "Cannikin")
+    assert chosen == ("DDP b", "DDP a")  # for the even rounds, chosen on the odd, and back
+    # rounds 0 and 2 against b, 1 and 3 against a: 0.5, 0.6, 0.45, 0.55
+    assert got.median == pytest.approx(0.525)
+    assert got.q1 < got.median < got.q3
