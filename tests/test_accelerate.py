@@ -72,3 +72,15 @@ def test_what_it_cannot_do_is_refused_by_name(figures: dict[str, Any]) -> None:
     refused = figures["refused"]
     assert "gradient_accumulation_steps=2" in refused["accumulation"]
     assert "0 HeteroDataLoader(s)" in refused["no_loader"]
+
+
+def test_hook_free_and_allow_idle_reach_the_model(figures: dict[str, Any]) -> None:
+    # at the even split a step not measured needs nothing of the comm hook: it runs through
+    # the hook-free twin unless hook_free=False; allow_idle decides whether a worker may be
+    # planned 0
+    options = figures["options"]
+    assert options["hook_free=True"]["allow_zero"] is False
+    assert options["hook_free=False"]["allow_zero"] is True
+    assert sum(options["hook_free=True"]["twin"]) >= 2  # measured steps use the hook
+    assert not any(options["hook_free=False"]["twin"])
+    assert len(options["hook_free=False"]["twin"]) == 40  # 4 epochs of 320 in steps of 32

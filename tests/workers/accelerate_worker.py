@@ -119,6 +119,29 @@ def idle_reduce(accelerator: CannikinAccelerator) -> dict[str, Any]:
     return {"reduced": reduced, "losses": losses, "gathered": len(gathered)}
 
 
+def options_reach_the_model() -> dict[str, Any]:
+    """Four epochs at the even split (16/16) with ``hook_free`` and ``allow_idle`` each way:
+    whether each step ran through the hook-free twin (one not measured, once the planner
+    measures every few steps), and whether the planner may plan a worker 0 samples."""
+    found = {}
+    for hook_free in (True, False):
+        accelerator = CannikinAccelerator(cpu=True, split="even", hook_free=hook_free,
+                                          allow_idle=not hook_free)
+        net = classifier()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+        loader = HeteroDataLoader(blobs(), batch_size=32, seed=5)
+        model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+        twin = []
+        for x, y, _ in (batch for _ in range(4) for batch in loader):
+            optimizer.zero_grad()
+            accelerator.backward(F.cross_entropy(model(x), y))
+            twin.append(model._cycle.hook_free)
+            optimizer.step()
+        found[f"hook_free={hook_free}"] = {"twin": twin,
+                                           "allow_zero": model.planner.config.allow_zero}
+    return found
+
+
 def main() -> None:
     torch.set_num_threads(1)
     out, folder = Path(sys.argv[1]), Path(sys.argv[2])
@@ -173,6 +196,7 @@ def main() -> None:
     speeds = follow_speeds(accelerator)
     oom = oom_in_backward(accelerator)
     idle = idle_reduce(accelerator)
+    options = options_reach_the_model()
     refused = {}
     try:
         CannikinAccelerator(cpu=True, gradient_accumulation_steps=2)
@@ -185,7 +209,7 @@ def main() -> None:
         refused["no_loader"] = str(error)
     results = {"rel_err": worst, "splits": splits, "loss_err": loss_err,
                "gathered_in_order": gathered_in_order, "schedule_steps": schedule_steps,
-               "speeds": speeds, "oom": oom, "idle": idle,
+               "speeds": speeds, "oom": oom, "idle": idle, "options": options,
                "unwrapped_is_net": accelerator.unwrap_model(model) is net,
                "saved_step": saved[0]["runtime"]["step"], "step_before_load": after,
                "step_after_load": model.step, "refused": refused,
