@@ -501,9 +501,9 @@ def _report(result: dict[str, Any], wall_s: float, load_before: str, load_after:
         held_out, chosen = _held_out_best_ratio(result["blocks"], "Cannikin")
         _print_ratio("  that split chosen on the other rounds", held_out)
         count = sum(name.startswith("DDP") for name in result["blocks"])
-        print(f"    (best on the odd rounds {chosen[0].removeprefix('DDP ')}, on the even "
-              f"{chosen[1].removeprefix('DDP ')}; chosen on the rounds it is measured on, "
-              f"the least of {count} medians within noise of each other is biased low)")
+        print(f"    (the best on the odd rounds: {chosen[0].removeprefix('DDP ')}; on the "
+              f"even: {chosen[1].removeprefix('DDP ')}. Chosen on the rounds it is measured "
+              f"on, the least of {count} medians within noise of each other is biased low)")
 
 
 def _print_ratio(label: str, r: PairedRatio) -> None:

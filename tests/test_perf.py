@@ -902,11 +902,11 @@ def test_where_the_cpu_per_sample_grows_the_floor_touches_the_level_in_use() -> 
 
 def test_batch_sizes_close_together_make_no_cpu_floor() -> None:
     """A bench_real run: the half-core worker's warm-up at 160 samples and its plan's 159,
-    medians 20.4 and 19.2 ms, made a chord of 1.2 ms per sample. Two sizes within a factor
-    of 2 make none; with its CPU at 0 samples the line runs from there with the chord's
-    slope (reference: the line through the two medians), lowered to the level in use
-    (159, measured 30 times, which the chord ran 6% over), and sizes a factor of 2 apart
-    make one."""
+    medians 20.4 and 19.2 ms, made a chord of 1.2 ms per sample. Two sizes so close make
+    none; with its CPU at 0 samples the line runs from there with the chord's slope
+    (reference: the line through the two medians), lowered to the level in use (159,
+    measured 30 times, which the chord ran 6% over), and sizes a factor of 2 apart make
+    one."""
     fitter = CpuFitter()
     for value in (0.0204, 0.0199, 0.0215):
         fitter.add(160, value, remember=True)
@@ -927,6 +927,25 @@ def test_batch_sizes_close_together_make_no_cpu_floor() -> None:
         for _ in range(3):
             apart.add(batch, value)
     assert apart.floor_line() == pytest.approx((0.004, 0.0001), rel=1e-9)
+
+
+def test_sizes_closer_than_2x_make_a_floor_where_their_medians_resolve_its_slope() -> None:
+    """160 and 240 samples, 9 steps each: with a 2% spread the chord's slope is resolved
+    (reference: the chord through the two medians), with a 30% spread it is not (its error
+    carried to 240 samples is ~45% of the floor there)."""
+    rng = np.random.default_rng(5)
+    for spread, resolved in ((0.02, True), (0.3, False)):
+        fitter = CpuFitter()
+        for _ in range(9):
+            for batch in (160, 240):
+                fitter.add(batch, (0.004 + 0.0001 * batch) * float(np.exp(spread
+                                                                          * rng.normal())))
+        line = fitter.floor_line()
+        assert (line is not None) is resolved, (spread, line)
+        if line is not None:
+            medians = fitter.level_medians()
+            slope = (medians[240] - medians[160]) / 80
+            assert line == pytest.approx((medians[160] - 160 * slope, slope), rel=1e-9)
 
 
 def test_a_few_early_steps_reading_high_do_not_lift_the_cpu_floor() -> None:

@@ -1191,6 +1191,8 @@ class _CpuLevels(NamedTuple):
     """The median CPU seconds at each batch size measured enough."""
     floor: dict[float, float]
     """The medians made non-decreasing in the batch size."""
+    counts: dict[float, int]
+    """The measurements at each."""
     noise: float
     """Their spread (:meth:`CpuFitter.noise`)."""
 
@@ -1226,13 +1228,13 @@ class CpuFitter:
     run of ``bench_real``), and as the chord's end it lifted the floor of every split.
 
     0 samples is a point of its own (no forward, no backward): always remembered, and the
-    chord runs over the busy sizes where they span a factor of 2 or more, 0 being
-    :meth:`idle` apart, and from 0 where they do not (sizes closer than that, 0 not among
-    them, make no floor: :meth:`floor_line`). Through 0 the chord starts low and rises
-    steeply, and under-predicts every small batch; without 0 it starts too high, and the
-    planner saw no gain in giving the quarter-core worker of ``bench_real`` 0 samples over
-    a few (Cannikin's own CPU per step there: 11.5-11.9 ms at 0 samples, 13.2-13.5 at
-    16-19, in two runs).
+    chord runs over the busy sizes where they span a factor of 2 or more or their medians
+    resolve its slope, 0 being :meth:`idle` apart, and from 0 where they do not (sizes
+    closer than that, 0 not among them, make no floor: :meth:`floor_line`). Through 0 the
+    chord starts low and rises steeply, and under-predicts every small batch; without 0 it
+    starts too high, and the planner saw no gain in giving the quarter-core worker of
+    ``bench_real`` 0 samples over a few (Cannikin's own CPU per step there: 11.5-11.9 ms at
+    0 samples, 13.2-13.5 at 16-19, in two runs).
     """
 
     window: int = 64
@@ -1313,6 +1315,7 @@ class CpuFitter:
         deviations = [abs(math.log(cpu / medians[b])) for b, level in levels.items()
                       if medians[b] > 0 for cpu in level if cpu > 0]
         return _CpuLevels(medians=medians, floor=dict(zip(sizes, fitted, strict=True)),
+                          counts={b: len(v) for b, v in levels.items()},
                           noise=1.4826 * statistics.median(deviations) if deviations else 0.0)
 
     def level_medians(self) -> dict[float, float]:
@@ -1326,12 +1329,17 @@ class CpuFitter:
 
     def floor_line(self) -> tuple[float, float] | None:
         """``(c0, c1)``: CPU seconds at 0 samples and per sample along the chord; None
-        before two batch sizes a factor of 2 apart (or 0 and another) are measured enough.
+        before two batch sizes (0 and another, or two far enough apart) are measured enough.
 
         Closer ends make a chord of noise: on the half-core worker of a ``bench_real`` run,
         medians of 19.2 ms at 159 samples and 20.4 at 160 made one of 1.2 ms of CPU per
         sample (0.09 from 0 to 160); the model then predicted Cannikin's split 8.6x slower
-        than it ran and planned that worker 0 samples.
+        than it ran and planned that worker 0 samples. So the ends must be a factor of 2
+        apart, or closer where their medians resolve the slope (:meth:`_resolves`): with
+        the factor alone, on real quotas the full-core worker's 160 and 317 samples (1.98x)
+        and the half-core worker's 117 and 173 made no floor, each in one ``bench_real
+        --model transformer`` run, at a split where that worker's CPU per step was near
+        its step.
 
         Where the CPU per sample grows with the batch instead (a small transformer: 10.7 ms
         at 106 samples, 15.5 at 165, 32.1 at 330 on one core), the chord runs over the
@@ -1343,8 +1351,8 @@ class CpuFitter:
         split 44% slow, and the planner left it for one 1.07x slower."""
         fitted = self._floor_levels()
         busy = [b for b in fitted if b > 0]
-        ends = busy if len(busy) >= 2 and max(busy) >= 2 * min(busy) else list(fitted)
-        if len(ends) < 2 or max(ends) < 2 * min(ends):
+        ends = busy if len(busy) >= 2 and self._resolves(min(busy), max(busy)) else list(fitted)
+        if len(ends) < 2 or not self._resolves(min(ends), max(ends)):
             return None
         lo, hi = min(ends), max(ends)
         slope = max((fitted[hi] - fitted[lo]) / (hi - lo), 0.0)
@@ -1357,6 +1365,24 @@ class CpuFitter:
                 line = _tangent(sorted((b, fitted[b]) for b in ends), batch, slope)
                 return line or (0.0, min(fitted[b] / b for b in ends if b > 0))
         return max(fitted[lo] - slope * lo, 0.0), slope
+
+    def _resolves(self, lo: float, hi: float) -> bool:
+        """Whether the levels at ``lo`` and ``hi`` (measured, ``lo < hi``) make a chord:
+        a factor of 2 apart, or closer where their medians resolve its slope (its
+        standard error, carried over ``hi`` samples, at most :data:`_CHORD_ERROR` of the
+        floor there). Not the error alone: a probe's level holds 3-5 steps, and in a run of
+        ``bench_real --model transformer`` the half-core worker's 160 and 350 samples and
+        the quarter-core worker's 0, 25 and 160 then made no floor."""
+        if hi >= 2 * lo:
+            return True
+        read = self._levels()
+
+        def error(batch: float) -> float:
+            return (_MEDIAN_ERROR * read.noise * read.floor[batch]
+                    / math.sqrt(read.counts[batch]))
+
+        return math.hypot(error(lo), error(hi)) * hi / (hi - lo) <= (
+            _CHORD_ERROR * read.floor[hi])
 
     def in_use(self) -> tuple[float, int] | None:
         """The busy batch size measured most often in the window's last ``span`` steps (the
@@ -1377,6 +1403,12 @@ class CpuFitter:
         (:attr:`NodeModel.cpu_noise`)."""
         return self._levels().noise
 
+
+_CHORD_ERROR = 0.1
+"""How far a CPU floor's chord may be off, from its ends' noise alone, at its far end's batch
+size (a fraction of the floor there). With a spread of 5% and 9 steps at each end, a chord
+from 160 samples is off by 33% at 175, 8% at 240 and 5% at 317; from 159 to 160 (the case
+of :meth:`CpuFitter.floor_line`, 1.5% and 30 and 9 steps) by 113%."""
 
 _MEDIAN_ERROR = math.sqrt(math.pi / 2)
 """A median's standard error over the spread of the values it is taken of, times the root
