@@ -463,6 +463,21 @@ def quota_truth() -> ClusterModel:
         for nd, s in zip(truth().nodes, CORES, strict=True)], comm=COMM)
 
 
+def test_a_worker_whose_cpu_makes_no_floor_is_probed_once() -> None:
+    """quota_truth(): the half-core worker's busy sizes, its plan's 145-163 samples and the
+    warm-up's 227, are too close for a CPU floor, and with every fit taken as known well
+    enough (``probe_error`` 10) no other probe moves it: without the floor's probe it had
+    none in 4 seeds of 5. It is probed once, at about twice its batch, and every worker
+    then has a floor; the probe costs under 1% of the run."""
+    for seed in SEEDS:
+        run = drive(seed, 400, cluster=quota_truth(), config=PlannerConfig(
+            world_size=3, init_batch=B, probe_error=10.0, refresh_after=None))
+        probes = [r.reason for r in run.planner.history if r.reason.startswith("probe")]
+        assert len(probes) == 1 and probes[0].startswith("probe worker 1 at"), (seed, probes)
+        assert all(cpu.floor_line() is not None for cpu in run.planner.cpu_fitters), seed
+        assert float(np.mean(run.quality[100:])) <= 1.01, seed
+
+
 def test_a_worker_at_0_samples_is_modelled_at_its_own_cpu() -> None:
     """The quarter-core worker's CPU per step at 0 samples falls below where the line
     through its busy sizes starts (no forward, no backward): 0.21 s against 0.28. The

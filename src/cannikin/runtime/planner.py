@@ -337,9 +337,10 @@ class PlannerConfig:
     more re-plans while the noise scale stayed. None: the cadence alone."""
     probe_error: float | None = 0.15
     """Once a plan holds, a worker whose measurements pin its time per sample down only to
-    worse than this relative standard error (:meth:`NodeFitter.slope_error`) is planned a
-    different batch for one re-plan interval (a probe: the even share, or twice or half its
-    batch when that is close), the others split optimally around it. A held plan spans a
+    worse than this relative standard error (:meth:`NodeFitter.slope_error`), or whose
+    measured CPU makes no floor yet (:attr:`cpu_floor`: its batch sizes too close), is
+    planned a different batch for one re-plan interval (a probe: the even share, or twice
+    or half its batch when that is close), the others split optimally around it. A held plan spans a
     few batch sizes, and the warm-up's even split is then a few noisy samples: on
     100/50/25% workers the model predicted the even split 13x too slow. None: none of
     these probes (:attr:`refresh_after` has its own)."""
@@ -1241,9 +1242,10 @@ class Planner:
     def _probe(self, step: int, cluster: ClusterModel,
                plan: Plan) -> tuple[int, int, Plan] | None:
         """A probe instead of the held ``plan``: of a worker kept under half its share for
-        long (``refresh_after``) first, else of the least-known worker (``probe_error``): (its
-        rank, its local batch, the probe's split); or None: not due, every fit known well
-        enough and recent, no probe that adds a measurement, or none within its budget
+        long (``refresh_after``) first, else of the least-known worker (``probe_error``), or
+        of one whose measured CPU makes no floor yet (:meth:`_without_floor`): (its rank,
+        its local batch, the probe's split); or None: not due, every fit known well enough
+        and recent, no probe that adds a measurement, or none within its budget
         (``probe_budget``)."""
         cfg = self.config
         if (cfg.probe_error is None and cfg.refresh_after is None) or (
@@ -1256,7 +1258,8 @@ class Planner:
                      and cfg.refresh_after is not None
                      and step - self._last_busy[rank] >= cfg.refresh_after)
             error = fitter.slope_error()
-            if not (stale or (cfg.probe_error is not None and error > cfg.probe_error)):
+            if not (stale or (cfg.probe_error is not None and (
+                    error > cfg.probe_error or self._without_floor(rank)))):
                 continue
             cap = cfg.cap_of(rank)
             share = plan.total_batch // n
@@ -1316,6 +1319,15 @@ class Planner:
             except ValueError:
                 idle_until = {}  # the others cannot hold the batch (a cap came down)
         return self._with_zeros(cluster, plan), idle_until
+
+    def _without_floor(self, rank: int) -> bool:
+        """Whether worker ``rank`` has a measured CPU (:attr:`PlannerConfig.cpu_floor`) but
+        no floor from it: its busy batch sizes too close together (a held split and the
+        warm-up's even share, 160-175 samples on the half-core worker of ``bench_real
+        --model transformer``), where that worker's CPU per step may be what sets it."""
+        cpu = self.cpu_fitters[rank]
+        return (self.config.cpu_floor and self.cpu_cores[rank] > 0 and cpu.num_samples > 0
+                and cpu.floor_line() is None)
 
     def _trial_kept(self, step: int) -> int | None:
         """Compare the ending trial's measured steps with the split before it: the step
