@@ -464,7 +464,7 @@ def quota_truth() -> ClusterModel:
 
 
 def test_a_worker_whose_cpu_makes_no_floor_is_probed_once() -> None:
-    """quota_truth(): the half-core worker's busy sizes, its plan's 145-163 samples and the
+    """quota_truth(): the half-core worker's busy sizes, its plan's 145-191 samples and the
     warm-up's 227, are too close for a CPU floor, and with every fit taken as known well
     enough (``probe_error`` 10) no other probe moves it: without the floor's probe it had
     none in 4 seeds of 5. It is probed once, at about twice its batch, and every worker

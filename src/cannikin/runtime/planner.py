@@ -340,9 +340,9 @@ class PlannerConfig:
     worse than this relative standard error (:meth:`NodeFitter.slope_error`), or whose
     measured CPU makes no floor yet (:attr:`cpu_floor`: its batch sizes too close), is
     planned a different batch for one re-plan interval (a probe: the even share, or twice
-    or half its batch when that is close), the others split optimally around it. A held plan spans a
-    few batch sizes, and the warm-up's even split is then a few noisy samples: on
-    100/50/25% workers the model predicted the even split 13x too slow. None: none of
+    or half its batch when that is close), the others split optimally around it. A held
+    plan spans a few batch sizes, and the warm-up's even split is then a few noisy samples:
+    on 100/50/25% workers the model predicted the even split 13x too slow. None: none of
     these probes (:attr:`refresh_after` has its own)."""
     probe_every: int = 100
     """Steps from one probe to the next, at least (a probe's steps are slower)."""
