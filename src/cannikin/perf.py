@@ -1360,8 +1360,7 @@ class CpuFitter:
         if in_use is not None and lo < in_use[0] < hi and in_use[0] in fitted:
             batch, count = in_use
             level = fitted[batch]
-            error = _MEDIAN_ERROR * self.noise() * level / math.sqrt(count)
-            if fitted[lo] + slope * (batch - lo) - level > 2 * error:
+            if fitted[lo] + slope * (batch - lo) - level > 2 * self._median_error(level, count):
                 line = _tangent(sorted((b, fitted[b]) for b in ends), batch, slope)
                 return line or (0.0, min(fitted[b] / b for b in ends if b > 0))
         return max(fitted[lo] - slope * lo, 0.0), slope
@@ -1376,13 +1375,13 @@ class CpuFitter:
         if hi >= 2 * lo:
             return True
         read = self._levels()
+        errors = (self._median_error(read.floor[b], read.counts[b]) for b in (lo, hi))
+        return math.hypot(*errors) * hi / (hi - lo) <= _CHORD_ERROR * read.floor[hi]
 
-        def error(batch: float) -> float:
-            return (_MEDIAN_ERROR * read.noise * read.floor[batch]
-                    / math.sqrt(read.counts[batch]))
-
-        return math.hypot(error(lo), error(hi)) * hi / (hi - lo) <= (
-            _CHORD_ERROR * read.floor[hi])
+    def _median_error(self, level: float, count: int) -> float:
+        """The standard error of a level's median, ``level`` CPU seconds over ``count``
+        steps, at the pooled spread (:meth:`noise`)."""
+        return _MEDIAN_ERROR * self.noise() * level / math.sqrt(count)
 
     def in_use(self) -> tuple[float, int] | None:
         """The busy batch size measured most often in the window's last ``span`` steps (the

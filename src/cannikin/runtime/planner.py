@@ -1259,7 +1259,7 @@ class Planner:
                      and step - self._last_busy[rank] >= cfg.refresh_after)
             error = fitter.slope_error()
             if not (stale or (cfg.probe_error is not None and (
-                    error > cfg.probe_error or self._without_floor(rank)))):
+                    error > cfg.probe_error or self._without_floor(rank, cluster)))):
                 continue
             cap = cfg.cap_of(rank)
             share = plan.total_batch // n
@@ -1320,14 +1320,15 @@ class Planner:
                 idle_until = {}  # the others cannot hold the batch (a cap came down)
         return self._with_zeros(cluster, plan), idle_until
 
-    def _without_floor(self, rank: int) -> bool:
+    def _without_floor(self, rank: int, cluster: ClusterModel) -> bool:
         """Whether worker ``rank`` has a measured CPU (:attr:`PlannerConfig.cpu_floor`) but
-        no floor from it: its busy batch sizes too close together (a held split and the
-        warm-up's even share, 160-175 samples on the half-core worker of ``bench_real
-        --model transformer``), where that worker's CPU per step may be what sets it."""
-        cpu = self.cpu_fitters[rank]
-        return (self.config.cpu_floor and self.cpu_cores[rank] > 0 and cpu.num_samples > 0
-                and cpu.floor_line() is None)
+        no floor from it in ``cluster`` (the model just fitted, :meth:`_with_cpu_floors`):
+        its busy batch sizes too close together (a held split and the warm-up's even share,
+        160-175 samples on the half-core worker of ``bench_real --model transformer``),
+        where that worker's CPU per step may be what sets it."""
+        return (self.config.cpu_floor and self.cpu_cores[rank] > 0
+                and self.cpu_fitters[rank].num_samples > 0
+                and cluster.nodes[rank].cpu_floor is None)
 
     def _trial_kept(self, step: int) -> int | None:
         """Compare the ending trial's measured steps with the split before it: the step
